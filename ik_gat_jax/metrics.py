@@ -1,0 +1,145 @@
+"""Every error of DESIGN section 7, in one place, with the JSON field names of section 9.
+
+`frame_errors` is the jittable core: per frame and joint errors from predicted and true local
+rotations. `summarize` reduces them to the JSON fields; `summarize_by` makes the per-subject and
+per-file tables. Training validation, `experiments.evaluate`, the baselines and the benchmark all
+call these two.
+
+Definitions (per frame, per joint):
+- local: geodesic angle between predicted and true R_j (parent-relative);
+- global: the same for G_j (world); the root's is the `root_rot_err_deg` field;
+- twist / swing: of `E = Q_hat.T @ Q` (bone-aligned world rotations, `rotations.swing_twist_angles`
+  about the bone axis x);
+- position: FK of the predicted local rotations on the subject's rest offsets, root placed at the
+  true root position, against the clean true positions. MPJPE averages non-root joints that are
+  not co-located with their parent (a co-located pair is one point, counted once).
+Means over joints exclude the root except for `root_rot_err_deg`.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ik_gat_jax import bone_frames
+from ik_gat_jax import kinematics
+from ik_gat_jax import rotations
+from ik_gat_jax.skeleton import Rig
+
+ERROR_FIELDS = ('local_rot_err_deg', 'global_rot_err_deg', 'twist_err_deg', 'swing_err_deg',
+                'mpjpe_mm')
+OBSERVABILITY_CLASSES = ('determined', 'swing', 'leaf')
+
+
+def frame_errors(pred_local: jax.Array, true_local: jax.Array, offsets: jax.Array,
+                 B: jax.Array, true_positions: jax.Array, rig: Rig) -> dict[str, jax.Array]:
+  """Per frame, per joint errors.
+
+  Args:
+    pred_local, true_local: `[N, J, 3, 3]` parent-relative rotations.
+    offsets: `[N, J, 3]` (or `[J, 3]`) the subject's rest offsets, metres.
+    B: `[N, J, 3, 3]` (or `[J, 3, 3]`) the subject's rest bone frames.
+    true_positions: `[N, J, 3]` clean world joint positions, metres.
+    rig: static rig (parents).
+
+  Returns:
+    dict of `[N, J]` arrays: 'local', 'global', 'twist', 'swing' (radians), 'position' (metres).
+  """
+  G_hat = kinematics.local_to_global(pred_local, rig.parents)
+  G = kinematics.local_to_global(true_local, rig.parents)
+  E = jnp.swapaxes(bone_frames.q_from_global(G_hat, B), -1, -2) @ bone_frames.q_from_global(G, B)
+  twist, swing = rotations.swing_twist_angles(E)
+  _, pos_hat = kinematics.forward_kinematics(pred_local, offsets, rig.parents,
+                                             root_pos=true_positions[..., 0, :])
+  return {
+      'local': rotations.geodesic_angle(pred_local, true_local),
+      'global': rotations.geodesic_angle(G_hat, G),
+      'twist': twist,
+      'swing': swing,
+      'position': jnp.linalg.norm(pos_hat - true_positions, axis=-1),
+  }
+
+
+frame_errors_jit = jax.jit(frame_errors, static_argnames='rig')
+
+
+def _joint_masks(rig: Rig) -> dict[str, np.ndarray]:
+  J = rig.num_joints
+  nonroot = np.arange(J) > 0
+  coloc = np.asarray(rig.colocated())
+  obs = np.asarray(rig.observability())
+  masks = {'nonroot': nonroot, 'mpjpe': nonroot & ~coloc}
+  for c in OBSERVABILITY_CLASSES:
+    masks[c] = nonroot & (obs == c)
+  return masks
+
+
+def _deg(x) -> float:
+  return float(np.degrees(x))
+
+
+def summarize(errors: Mapping[str, np.ndarray], rig: Rig) -> dict:
+  """`[N, J]` error arrays -> the JSON fields of DESIGN section 9 (degrees, millimetres).
+
+  Returns `local_rot_err_deg`, `root_rot_err_deg`, `global_rot_err_deg`, `twist_err_deg`,
+  `swing_err_deg`, `mpjpe_mm`, `local_rot_err_deg_by_class` (determined / swing / leaf),
+  `frames`, and `per_joint` (joint name -> the error fields).
+  """
+  e = {k: np.asarray(v, np.float64) for k, v in errors.items()}
+  m = _joint_masks(rig)
+  n = int(e['local'].shape[0])
+  if n == 0:
+    raise ValueError('summarize needs at least one frame')
+  out = {
+      'frames': n,
+      'local_rot_err_deg': _deg(e['local'][:, m['nonroot']].mean()),
+      'root_rot_err_deg': _deg(e['global'][:, 0].mean()),
+      'global_rot_err_deg': _deg(e['global'][:, m['nonroot']].mean()),
+      'twist_err_deg': _deg(e['twist'][:, m['nonroot']].mean()),
+      'swing_err_deg': _deg(e['swing'][:, m['nonroot']].mean()),
+      'mpjpe_mm': float(1000.0 * e['position'][:, m['mpjpe']].mean()),
+      'local_rot_err_deg_by_class': {
+          c: _deg(e['local'][:, m[c]].mean()) for c in OBSERVABILITY_CLASSES if m[c].any()},
+  }
+  out['per_joint'] = {
+      name: {'local_rot_err_deg': _deg(e['local'][:, j].mean()),
+             'global_rot_err_deg': _deg(e['global'][:, j].mean()),
+             'twist_err_deg': _deg(e['twist'][:, j].mean()),
+             'swing_err_deg': _deg(e['swing'][:, j].mean()),
+             'mpjpe_mm': float(1000.0 * e['position'][:, j].mean())}
+      for j, name in enumerate(rig.joint_names)}
+  return out
+
+
+def summarize_by(errors: Mapping[str, np.ndarray], group_ids: np.ndarray,
+                 group_names: Sequence[str], rig: Rig) -> dict[str, dict]:
+  """Per-group summaries (per subject, per file): group name -> `summarize` without per_joint."""
+  group_ids = np.asarray(group_ids)
+  out = {}
+  for g in np.unique(group_ids):
+    sel = group_ids == g
+    s = summarize({k: np.asarray(v)[sel] for k, v in errors.items()}, rig)
+    s.pop('per_joint')
+    out[str(group_names[int(g)])] = s
+  return out
+
+
+def compute_errors_batched(pred_local: np.ndarray, true_local: np.ndarray, offsets: np.ndarray,
+                           B: np.ndarray, true_positions: np.ndarray, rig: Rig,
+                           batch_size: int = 4096) -> dict[str, np.ndarray]:
+  """`frame_errors` over many frames in fixed-size chunks (one compile; last chunk padded)."""
+  N = pred_local.shape[0]
+  chunks = {k: [] for k in ('local', 'global', 'twist', 'swing', 'position')}
+  arrays = [pred_local, true_local, offsets, B, true_positions]
+  for start in range(0, N, batch_size):
+    stop = min(start + batch_size, N)
+    pad = batch_size - (stop - start) if N > batch_size else 0
+    part = [np.concatenate([a[start:stop], np.repeat(a[stop - 1:stop], pad, 0)]) if pad
+            else a[start:stop] for a in arrays]
+    res = frame_errors_jit(*[jnp.asarray(p, jnp.float32) for p in part], rig=rig)
+    for k, v in res.items():
+      chunks[k].append(np.asarray(v)[:stop - start])
+  return {k: np.concatenate(v) for k, v in chunks.items()}

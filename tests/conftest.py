@@ -1,0 +1,24 @@
+"""Shared test set-up: CPU JAX, a persistent compilation cache, the CMU data location."""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', str(REPO / '.jax_cache'))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.5')
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update('jax_compilation_cache_dir', os.environ['JAX_COMPILATION_CACHE_DIR'])
+
+CMU_DIR = REPO.parent / 'shared' / 'data' / 'cmu'
+
+
+@pytest.fixture(scope='session')
+def cmu_dir() -> Path:
+  """../shared/data/cmu, or skip: a user's fresh clone has no shared data beside it."""
+  if not (CMU_DIR / '07_01.bvh').exists():
+    pytest.skip(f'CMU data not found at {CMU_DIR} (only present beside the project checkout)')
+  return CMU_DIR
