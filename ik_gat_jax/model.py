@@ -1,0 +1,401 @@
+"""IK-GAT and the dense comparison networks, built from one `ModelConfig` (DESIGN section 5).
+
+`create_model(config, rig, rngs)` returns an `IKModel`: joint positions `[..., J, 3]` (world or
+root-relative, metres) -> rotations `[..., J, 3, 3]` in `config.output_space`:
+  'bone_aligned'  Q_j = G_j @ B_j (world frame; `Q_j e_x` is the observed bone direction);
+  'global'        G_j (world frame);
+  'local'         R_j, parent-relative (the root's is its world rotation);
+  'mixed'         Q_j for joints with a designated child, R_j for the others (leaves).
+`to_local` turns any of them into local rotations given the subject's bone frames B;
+`from_local` makes training targets in the output space from local rotations.
+
+Pipeline of `IKModel.__call__` (the parts shared by every arch):
+  1. root-relative positions (the model subtracts the root itself);
+  2. scale normalisation (optional): divide by the example's mean bone length, the mean of
+     |p_j - p_parent(j)| over the bones that are not co-located in the rig's template (so the
+     input is in "bone lengths"; yaw invariant, and a child's size no longer shifts every input);
+  3. heading canonicalisation (optional): rotate about the rig's up axis so the horizontal part
+     of the hip vector p_left_hip - p_right_hip points along `rig.lateral` (the body's left at
+     rest, so the canonical frame of a rest pose is the world frame). The hips are the first
+     pair of root children that are mirror partners; the one with the larger template offset
+     along `lateral` is left. A vertical hip vector (degenerate) leaves the yaw at identity;
+  4. the backbone (arch): positions `[B, J, 3]` -> 6D `[B, J, 6]`;
+  5. observed-direction head (optional): the first 6D column of every joint with a designated
+     child is replaced by the observed direction to that child. Only joints whose output is
+     bone-aligned have such a column, so this needs output_space 'bone_aligned' or 'mixed'
+     (config validation refuses 'local' / 'global');
+  6. Gram-Schmidt to rotation matrices; undo the heading (C^T @ R) on every output that lives
+     in the world frame: all joints for bone_aligned / global, the root only for local, the
+     bone-aligned joints and the root for mixed (leaf local rotations are yaw invariant). This
+     makes world-frame outputs exactly equivariant to yaw of the input.
+
+Backbones:
+  'ikgat'        per-joint input projection (a per-joint Linear 3 -> d whose per-joint bias is the
+                 learned joint embedding), L blocks of [graph attention -> ELU -> dropout ->
+                 residual -> LayerNorm] over the static adjacency, a global shortcut adding the
+                 input projection to the last block's output, and a per-joint (shared) MLP head
+                 d -> head_hidden -> 6. `pooled_global_feature` adds Linear(mean over joints of
+                 the block input) to every block's attention output (a proposed fix for leaves).
+  'transformer'  the same code with full adjacency, dot-product scoring and a feed-forward
+                 sub-block (d -> 2d -> d) per block; width from `DENSE_HIDDEN` (similar
+                 parameter count to IK-GAT of the same size). Graph fields are ignored.
+  'mlp'          flattened joints `[B, 3J]` -> L hidden layers (ELU, dropout) -> `[B, 6J]`.
+Every head's last layer starts near the identity 6D (bias (1,0,0,0,1,0), weights ~1e-3).
+The static skeleton structure (parents, designated children, adjacency) stays Python tuples:
+`Rig` and `ModelConfig` are frozen dataclasses, held as static module attributes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ik_gat_jax import bone_frames
+from ik_gat_jax import kinematics
+from ik_gat_jax import rotations
+from ik_gat_jax.gat import AGGREGATIONS, SCORINGS, GraphAttention
+from ik_gat_jax.skeleton import Rig
+
+ARCHS = ('ikgat', 'mlp', 'transformer')
+# size -> (hidden d, blocks L, heads); base: ~374K parameters on cmu_body (the paper's count).
+SIZES = {'tiny': (64, 2, 4), 'small': (128, 3, 4), 'base': (320, 3, 4), 'large': (512, 4, 8)}
+# Widths of the dense comparison networks, chosen (on cmu_body, default IK-GAT config) so that
+# each has about the parameter count of IK-GAT of the same size; `param_table()` shows them.
+DENSE_HIDDEN = {
+    'mlp': {'tiny': 64, 'small': 144, 'base': 388, 'large': 600},
+    'transformer': {'tiny': 28, 'small': 52, 'base': 128, 'large': 200},
+}
+ADJACENCIES = ('tree', 'parent_to_child', 'child_to_parent', 'full')
+OUTPUT_SPACES = ('bone_aligned', 'local', 'global', 'mixed')
+_IDENTITY_6D = (1.0, 0.0, 0.0, 0.0, 1.0, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Every model choice in one frozen (hashable, JSON-able) record; see the module docstring.
+
+  `hidden`, `num_layers`, `num_heads`, `head_hidden` override the size's defaults when set.
+  `adjacency`, `aggregation`, `scoring` and `pooled_global_feature` apply to 'ikgat' only.
+  """
+  arch: str = 'ikgat'
+  size: str = 'small'
+  hidden: int | None = None
+  num_layers: int | None = None
+  num_heads: int | None = None
+  head_hidden: int | None = None
+  adjacency: str = 'tree'
+  aggregation: str = 'attention'
+  scoring: str = 'gat'
+  output_space: str = 'bone_aligned'
+  dropout: float = 0.1
+  observed_direction_head: bool = False
+  heading_canonicalization: bool = False
+  scale_normalization: bool = False
+  pooled_global_feature: bool = False
+
+  def __post_init__(self):
+    for name, allowed in (('arch', ARCHS), ('size', tuple(SIZES)), ('adjacency', ADJACENCIES),
+                          ('aggregation', AGGREGATIONS), ('scoring', SCORINGS),
+                          ('output_space', OUTPUT_SPACES)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f'ModelConfig.{name}={getattr(self, name)!r}; choose from {allowed}')
+    if self.observed_direction_head and self.output_space not in ('bone_aligned', 'mixed'):
+      raise ValueError('observed_direction_head replaces the bone-direction column Q e_x, which '
+                       f'only bone-aligned outputs have; output_space={self.output_space!r}')
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f'dropout must be in [0, 1), got {self.dropout}')
+
+  @property
+  def dims(self) -> tuple[int, int, int, int]:
+    """(hidden d, blocks L, heads, head_hidden) after the overrides and the arch's width."""
+    d, layers, heads = SIZES[self.size]
+    if self.arch != 'ikgat':
+      d = DENSE_HIDDEN[self.arch][self.size]
+    d = self.hidden or d
+    # The head's hidden width d/3 (rounded up to 8) puts base at ~374K parameters.
+    return (d, self.num_layers or layers, self.num_heads or heads,
+            self.head_hidden or 8 * math.ceil(d / 24))
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> 'ModelConfig':
+    """From a dict, JSON object or `ml_collections.ConfigDict`; unknown keys are an error."""
+    d = dict(d.to_dict() if hasattr(d, 'to_dict') else d)
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise ValueError(f'unknown ModelConfig fields {sorted(unknown)}')
+    return cls(**d)
+
+
+def _identity_sixd_init(key, shape, dtype=jnp.float32):
+  """Bias `[6 * n]`: the identity 6D repeated n times."""
+  del key
+  return jnp.tile(jnp.asarray(_IDENTITY_6D, dtype), shape[0] // 6)
+
+
+def _sixd_output(d_in: int, n_out: int, rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(d_in, 6 * n_out, kernel_init=nnx.initializers.normal(1e-3),
+                    bias_init=_identity_sixd_init, rngs=rngs)
+
+
+class PerJointLinear(nnx.Module):
+  """`[B, J, d_in]` -> `[B, J, d_out]` with weights `[J, d_in, d_out]` and a per-joint bias
+  `[J, d_out]`, which is the learned joint embedding."""
+
+  def __init__(self, num_joints: int, d_in: int, d_out: int, rngs: nnx.Rngs):
+    init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal', batch_axis=0)
+    self.kernel = nnx.Param(init(rngs.params(), (num_joints, d_in, d_out)))
+    self.embedding = nnx.Param(0.5 * jax.random.normal(rngs.params(), (num_joints, d_out)))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return jnp.einsum('bjc,jcd->bjd', x, self.kernel[...]) + self.embedding[...]
+
+
+class Block(nnx.Module):
+  """`h: [B, J, d]` -> `[B, J, d]`: LN(h + dropout(ELU(attention(h) [+ pooled]))) [+ FFN]."""
+
+  def __init__(self, d: int, adjacency, *, num_heads: int, scoring: str, aggregation: str,
+               dropout: float, pooled: bool, ffn: bool, rngs: nnx.Rngs):
+    self.attn = GraphAttention(d, d, adjacency, num_heads=num_heads, scoring=scoring,
+                               aggregation=aggregation, rngs=rngs)
+    self.pool = nnx.Linear(d, d, rngs=rngs) if pooled else None
+    self.norm = nnx.LayerNorm(d, rngs=rngs)
+    self.dropout = nnx.Dropout(dropout, rngs=rngs)
+    if ffn:  # the Transformer's feed-forward sub-block
+      self.ffn_in, self.ffn_out = nnx.Linear(d, 2 * d, rngs=rngs), nnx.Linear(2 * d, d, rngs=rngs)
+      self.ffn_norm = nnx.LayerNorm(d, rngs=rngs)
+    else:
+      self.ffn_in = self.ffn_out = self.ffn_norm = None
+
+  def __call__(self, h: jax.Array, *, deterministic: bool) -> jax.Array:
+    a = self.attn(h)
+    if self.pool is not None:
+      a = a + self.pool(jnp.mean(h, axis=-2, keepdims=True))
+    h = self.norm(h + self.dropout(nnx.elu(a), deterministic=deterministic))
+    if self.ffn_in is not None:
+      f = self.ffn_out(nnx.gelu(self.ffn_in(h)))
+      h = self.ffn_norm(h + self.dropout(f, deterministic=deterministic))
+    return h
+
+
+class GraphNet(nnx.Module):
+  """IK-GAT / Transformer backbone: positions `[B, J, 3]` -> 6D `[B, J, 6]`.
+
+  Node i's output depends only on the inputs of nodes within L hops (the input projection, the
+  shortcut and the head are per joint), unless `pooled` mixes in the whole body.
+  """
+
+  def __init__(self, num_joints: int, adjacency, *, d: int, num_layers: int, num_heads: int,
+               head_hidden: int, scoring: str, aggregation: str, dropout: float,
+               pooled: bool, ffn: bool, rngs: nnx.Rngs):
+    self.embed = PerJointLinear(num_joints, 3, d, rngs)
+    self.blocks = nnx.List([
+        Block(d, adjacency, num_heads=num_heads, scoring=scoring, aggregation=aggregation,
+              dropout=dropout, pooled=pooled, ffn=ffn, rngs=rngs) for _ in range(num_layers)])
+    self.head_hidden = nnx.Linear(d, head_hidden, rngs=rngs)
+    self.head_out = _sixd_output(head_hidden, 1, rngs)
+
+  def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+    h0 = self.embed(x)
+    h = h0
+    for block in self.blocks:
+      h = block(h, deterministic=deterministic)
+    return self.head_out(nnx.elu(self.head_hidden(h + h0)))  # global shortcut: + h0
+
+
+class MLPNet(nnx.Module):
+  """Dense baseline: positions `[B, J, 3]` flattened -> L hidden layers -> 6D `[B, J, 6]`."""
+
+  def __init__(self, num_joints: int, *, d: int, num_layers: int, dropout: float,
+               rngs: nnx.Rngs):
+    widths = [3 * num_joints] + [d] * num_layers
+    self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(widths, widths[1:])])
+    self.dropout = nnx.Dropout(dropout, rngs=rngs)
+    self.out = _sixd_output(d, num_joints, rngs)
+
+  def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+    h = x.reshape(x.shape[0], -1)
+    for layer in self.layers:
+      h = self.dropout(nnx.elu(layer(h)), deterministic=deterministic)
+    return self.out(h).reshape(*x.shape[:-1], 6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Static rig helpers (plain Python / numpy, outside jit).
+
+
+def hip_pair(rig: Rig) -> tuple[int, int]:
+  """(left, right): the first mirror pair among the root's children; left is the one whose
+  template offset lies further along `rig.lateral` (the first of the pair without a template)."""
+  kids = rig.children[0]
+  for a in kids:
+    b = rig.mirror[a]
+    if b != a and b in kids:
+      if rig.template_offsets:
+        lat = rig.template()[[a, b]] @ np.asarray(rig.lateral)
+        return (a, b) if lat[0] >= lat[1] else (b, a)
+      return (a, b)
+  raise ValueError(f'rig {rig.name!r}: no mirror pair among the root children '
+                   f'{[rig.joint_names[k] for k in kids]}, so no hip vector for the heading')
+
+
+def world_frame_outputs(rig: Rig, output_space: str) -> tuple[bool, ...]:
+  """Per joint: does its output rotation live in the world frame (and so turn with yaw)?"""
+  if output_space in ('bone_aligned', 'global'):
+    return (True,) * rig.num_joints
+  if output_space == 'local':
+    return tuple(p < 0 for p in rig.parents)
+  return tuple(p < 0 or c >= 0 for p, c in zip(rig.parents, rig.designated_children))
+
+
+def _scale_bones(rig: Rig) -> tuple[int, ...]:
+  """Joints j whose bone (parent(j) -> j) counts for the scale: not co-located at rest."""
+  coloc = rig.colocated() if rig.template_offsets else (False,) * rig.num_joints
+  return tuple(j for j, p in enumerate(rig.parents) if p >= 0 and not coloc[j])
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure pre/post-processing.
+
+
+def heading_rotation(x: jax.Array, rig: Rig, hips: tuple[int, int]) -> jax.Array:
+  """`x: [B, J, 3]` -> `C_canon_world [B, 3, 3]`, a rotation about `rig.up` taking the
+  horizontal hip vector `x[left] - x[right]` to `rig.lateral` (identity where it is vertical)."""
+  up, lateral = jnp.asarray(rig.up, x.dtype), jnp.asarray(rig.lateral, x.dtype)
+  hip = x[:, hips[0]] - x[:, hips[1]]
+  horiz = hip - jnp.sum(hip * up, -1, keepdims=True) * up
+  ok = rotations.safe_norm(horiz, keepdims=True) > 1e-6
+  u = jnp.where(ok, rotations.normalize(horiz), lateral)
+  frame = jnp.stack([u, jnp.broadcast_to(up, u.shape), jnp.cross(u, up)], axis=-1)  # [u v w]
+  canon = jnp.stack([lateral, up, jnp.asarray(rig.forward, x.dtype)], axis=-1)  # [L U F]
+  return canon @ jnp.swapaxes(frame, -1, -2)
+
+
+def observed_directions(x: jax.Array, rig: Rig) -> tuple[jax.Array, jax.Array]:
+  """`x: [B, J, 3]` -> (unit direction to the designated child `[B, J, 3]`, valid `[B, J]`);
+  invalid for leaves and where the child sits on the joint."""
+  child = np.asarray([c if c >= 0 else j for j, c in enumerate(rig.designated_children)])
+  has = np.asarray([c >= 0 for c in rig.designated_children])
+  v = x[:, child] - x
+  valid = has & (rotations.safe_norm(v) > 1e-6)
+  return rotations.normalize(v), valid
+
+
+class IKModel(nnx.Module):
+  """Positions `[..., J, 3]` -> rotations `[..., J, 3, 3]` in `config.output_space`."""
+
+  def __init__(self, config: ModelConfig, rig: Rig, rngs: nnx.Rngs):
+    self.config, self.rig = config, rig
+    self.hips = hip_pair(rig) if config.heading_canonicalization else None
+    J = rig.num_joints
+    d, layers, heads, head_hidden = config.dims
+    if config.arch == 'mlp':
+      self.backbone = MLPNet(J, d=d, num_layers=layers, dropout=config.dropout, rngs=rngs)
+    else:
+      graph = config.arch == 'ikgat'
+      self.backbone = GraphNet(
+          J, rig.adjacency(config.adjacency if graph else 'full'), d=d, num_layers=layers,
+          num_heads=heads, head_hidden=head_hidden,
+          scoring=config.scoring if graph else 'dot',
+          aggregation=config.aggregation if graph else 'attention', dropout=config.dropout,
+          pooled=graph and config.pooled_global_feature, ffn=not graph, rngs=rngs)
+
+  def canonical_input(self, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """`[B, J, 3]` -> (network input `[B, J, 3]`, `C_canon_world [B, 3, 3]` or None)."""
+    x = positions - positions[:, :1]
+    if self.config.scale_normalization:
+      bones = np.asarray(_scale_bones(self.rig))
+      parents = np.asarray(self.rig.parents)[bones]
+      s = jnp.mean(rotations.safe_norm(x[:, bones] - x[:, parents]), axis=-1)
+      x = x / jnp.where(s > 1e-6, s, 1.0)[:, None, None]
+    if not self.config.heading_canonicalization:
+      return x, None
+    C = heading_rotation(x, self.rig, self.hips)
+    return jnp.einsum('bij,bkj->bki', C, x), C
+
+  def __call__(self, positions: jax.Array, *, deterministic: bool) -> jax.Array:
+    batch, J = positions.shape[:-2], self.rig.num_joints
+    x, C = self.canonical_input(positions.reshape(-1, J, 3))
+    sixd = self.backbone(x, deterministic=deterministic)  # [B, J, 6], canonical frame
+    if self.config.observed_direction_head:
+      obs, valid = observed_directions(x, self.rig)
+      sixd = sixd.at[..., :3].set(jnp.where(valid[..., None], obs, sixd[..., :3]))
+    R = rotations.matrix_from_sixd(sixd)
+    if C is not None:  # back from the canonical to the world frame
+      world = np.asarray(world_frame_outputs(self.rig, self.config.output_space))
+      R = jnp.where(world[:, None, None], jnp.swapaxes(C, -1, -2)[:, None] @ R, R)
+    return R.reshape(*batch, J, 3, 3)
+
+
+def create_model(config: ModelConfig, rig: Rig, rngs: nnx.Rngs) -> IKModel:
+  """The network of `config` for `rig` (parameters initialised from `rngs`)."""
+  return IKModel(config, rig, rngs)
+
+
+def param_count(model: nnx.Module) -> int:
+  """Number of trainable parameters (works on `nnx.eval_shape` results too)."""
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def param_table(config: ModelConfig | None = None) -> dict[str, dict[str, dict[str, int]]]:
+  """`{arch: {rig: {size: parameters}}}` for cmu_body and smpl22 (shapes only, no allocation)."""
+  from ik_gat_jax import skeleton
+  base = config or ModelConfig()
+  rigs = (skeleton.cmu_body(), skeleton.smpl22())
+  return {arch: {rig.name: {size: param_count(nnx.eval_shape(
+      lambda c=dataclasses.replace(base, arch=arch, size=size), r=rig: create_model(
+          c, r, nnx.Rngs(0)))) for size in SIZES} for rig in rigs} for arch in ARCHS}
+
+
+# ----------------------------------------------------------------------------------------------
+# Output spaces <-> local rotations.
+
+
+def to_local(pred: jax.Array, B_frames: jax.Array, rig: Rig, output_space: str) -> jax.Array:
+  """Model output `[B, J, 3, 3]` in `output_space` -> parent-relative local rotations.
+
+  `B_frames: [B or 1, J, 3, 3]` rest bone frames of the subject(s) (`bone_frames.bone_frames`).
+  """
+  if output_space == 'local':
+    return pred
+  if output_space == 'global':
+    return kinematics.global_to_local(pred, rig.parents)
+  if output_space == 'bone_aligned':
+    return bone_frames.local_from_q(pred, B_frames, rig)
+  if output_space != 'mixed':
+    raise ValueError(f'unknown output_space {output_space!r}; choose from {OUTPUT_SPACES}')
+  G_q = bone_frames.global_from_q(pred, B_frames)  # right for the bone-aligned joints
+  pred = jnp.broadcast_to(pred, G_q.shape)
+  G = []
+  for j, (p, c) in enumerate(zip(rig.parents, rig.designated_children)):
+    if c >= 0:
+      G.append(G_q[..., j, :, :])
+    else:  # a leaf's output is local: G_leaf = G_parent @ R_leaf
+      G.append(pred[..., j, :, :] if p < 0 else G[p] @ pred[..., j, :, :])
+  local = kinematics.global_to_local(jnp.stack(G, axis=-3), rig.parents)
+  leaf = np.asarray([c < 0 for c in rig.designated_children])
+  return jnp.where(leaf[:, None, None], pred, local)  # leaves exactly as predicted
+
+
+def from_local(local_rot: jax.Array, B_frames: jax.Array, rig: Rig,
+               output_space: str) -> jax.Array:
+  """Local rotations `[B, J, 3, 3]` -> the same pose in `output_space` (training targets)."""
+  if output_space == 'local':
+    return local_rot
+  if output_space == 'global':
+    return kinematics.local_to_global(local_rot, rig.parents)
+  Q = bone_frames.q_from_local(local_rot, B_frames, rig)
+  if output_space == 'bone_aligned':
+    return Q
+  if output_space != 'mixed':
+    raise ValueError(f'unknown output_space {output_space!r}; choose from {OUTPUT_SPACES}')
+  leaf = np.asarray([c < 0 for c in rig.designated_children])
+  return jnp.where(leaf[:, None, None], local_rot, Q)

@@ -1,0 +1,239 @@
+"""IK-GAT and dense networks: the ablation grid, yaw equivariance, the observed-direction head,
+output-space conversions, parameter counts, config round trips, and no retracing under jit."""
+
+import itertools
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+from scipy.spatial.transform import Rotation as SciRot
+
+from ik_gat_jax import bone_frames, kinematics, model, skeleton
+
+RIG = skeleton.cmu_body()
+J = RIG.num_joints
+
+
+def _positions(rig, n, seed):
+  """`[n, J, 3]` world positions: FK of random moderate local rotations on the template, moved."""
+  rng = np.random.default_rng(seed)
+  local = SciRot.from_rotvec(rng.normal(scale=0.4, size=(n * rig.num_joints, 3))).as_matrix()
+  local = jnp.asarray(local.reshape(n, rig.num_joints, 3, 3), jnp.float32)
+  _, p = kinematics.forward_kinematics(local, jnp.asarray(rig.template(), jnp.float32),
+                                       rig.parents, root_pos=jnp.asarray(rng.normal(size=(n, 3))))
+  return p
+
+
+X = _positions(RIG, 4, 0)  # one small input shared by every variant
+
+
+def _randomize_head(m, scale=0.5, seed=1):
+  """Initial heads emit ~identity 6D; a random last layer makes the outputs pose-dependent."""
+  out = m.backbone.head_out if hasattr(m.backbone, 'head_out') else m.backbone.out
+  out.kernel[...] = scale * jax.random.normal(jax.random.key(seed), out.kernel[...].shape)
+  return m
+
+
+def _assert_rotations(R, atol=1e-4):
+  R = np.asarray(R)
+  assert np.isfinite(R).all()
+  np.testing.assert_allclose(np.swapaxes(R, -1, -2) @ R, np.broadcast_to(np.eye(3), R.shape),
+                             atol=atol)
+  np.testing.assert_allclose(np.linalg.det(R), 1.0, atol=atol)
+
+
+def _grid():
+  graph = itertools.product(['ikgat'], model.ADJACENCIES, model.AGGREGATIONS)
+  dense = [('mlp', 'tree', 'attention'), ('transformer', 'tree', 'attention')]
+  post = [(space, obs, head) for space in model.OUTPUT_SPACES for obs in (False, True)
+          for head in (False, True) if not obs or space in ('bone_aligned', 'mixed')]
+  return [a + b for a, b in itertools.product(list(graph) + dense, post)]
+
+
+@pytest.mark.parametrize('arch,adjacency,aggregation,space,obs,heading', _grid())
+def test_every_variant_builds_and_emits_rotations(arch, adjacency, aggregation, space, obs,
+                                                   heading):
+  cfg = model.ModelConfig(arch=arch, size='tiny', adjacency=adjacency, aggregation=aggregation,
+                          output_space=space, observed_direction_head=obs,
+                          heading_canonicalization=heading)
+  m = _randomize_head(model.create_model(cfg, RIG, nnx.Rngs(0)))
+  R = m(X, deterministic=True)
+  assert R.shape == (4, J, 3, 3)
+  _assert_rotations(R)
+
+
+@pytest.mark.parametrize('extra', [dict(scoring='gatv2'), dict(scoring='dot'),
+                                   dict(pooled_global_feature=True),
+                                   dict(scale_normalization=True, heading_canonicalization=True)])
+def test_other_options_build_and_emit_rotations(extra):
+  m = model.create_model(model.ModelConfig(size='tiny', **extra), RIG, nnx.Rngs(0))
+  _assert_rotations(m(X, deterministic=False))
+
+
+def test_smpl22_rig_runs():
+  smpl = skeleton.smpl22()
+  cfg = model.ModelConfig(size='tiny', heading_canonicalization=True, output_space='mixed',
+                          observed_direction_head=True, scale_normalization=True)
+  m = _randomize_head(model.create_model(cfg, smpl, nnx.Rngs(0)))
+  x = _positions(smpl, 4, 3)
+  R = m(x, deterministic=True)
+  _assert_rotations(R)
+  Ry = _yaw(0.9, smpl)
+  world = np.asarray(model.world_frame_outputs(smpl, 'mixed'))[:, None, None]
+  np.testing.assert_allclose(m(x @ Ry.T, deterministic=True), np.where(world, Ry @ R, R),
+                             atol=1e-4)
+
+
+def test_observed_direction_head_needs_a_bone_aligned_output():
+  for space in ('local', 'global'):
+    with pytest.raises(ValueError, match='observed_direction_head'):
+      model.ModelConfig(output_space=space, observed_direction_head=True)
+
+
+def _yaw(angle, rig):
+  return jnp.asarray(SciRot.from_rotvec(angle * np.asarray(rig.up)).as_matrix(), jnp.float32)
+
+
+@pytest.mark.parametrize('arch,space', [('ikgat', 'bone_aligned'), ('ikgat', 'global'),
+                                        ('ikgat', 'local'), ('ikgat', 'mixed'),
+                                        ('mlp', 'bone_aligned')])
+def test_heading_canonicalisation_makes_world_outputs_yaw_equivariant(arch, space):
+  cfg = model.ModelConfig(arch=arch, size='tiny', output_space=space,
+                          heading_canonicalization=True, scale_normalization=True)
+  m = _randomize_head(model.create_model(cfg, RIG, nnx.Rngs(0)))
+  R = m(X, deterministic=True)
+  world = np.asarray(model.world_frame_outputs(RIG, space))[:, None, None]
+  for angle in (0.7, -2.1, np.pi):
+    Ry = _yaw(angle, RIG)
+    np.testing.assert_allclose(m(X @ Ry.T, deterministic=True), np.where(world, Ry @ R, R),
+                               atol=1e-4)
+
+
+def test_without_heading_canonicalisation_yaw_is_not_equivariant():
+  """The equivariance test above has power: a plain network is far from equivariant."""
+  m = _randomize_head(model.create_model(model.ModelConfig(size='tiny'), RIG, nnx.Rngs(0)))
+  Ry = _yaw(1.0, RIG)
+  err = np.abs(m(X @ Ry.T, deterministic=True) - Ry @ m(X, deterministic=True)).max()
+  assert err > 1e-2
+
+
+@pytest.mark.parametrize('arch,space,heading', [('ikgat', 'bone_aligned', False),
+                                                ('ikgat', 'bone_aligned', True),
+                                                ('ikgat', 'mixed', True),
+                                                ('transformer', 'bone_aligned', False)])
+def test_observed_direction_head_emits_the_observed_bone_direction(arch, space, heading):
+  cfg = model.ModelConfig(arch=arch, size='tiny', output_space=space,
+                          observed_direction_head=True, heading_canonicalization=heading)
+  m = _randomize_head(model.create_model(cfg, RIG, nnx.Rngs(0)))
+  Q = np.asarray(m(X, deterministic=True))
+  Q_plain = np.asarray(_randomize_head(model.create_model(
+      model.ModelConfig(arch=arch, size='tiny', output_space=space,
+                        heading_canonicalization=heading), RIG, nnx.Rngs(0)))(
+                            X, deterministic=True))
+  p = np.asarray(X)
+  for j, c in enumerate(RIG.designated_children):
+    if c >= 0:
+      d = (p[:, c] - p[:, j]) / np.linalg.norm(p[:, c] - p[:, j], axis=-1, keepdims=True)
+      np.testing.assert_allclose(Q[:, j, :, 0], d, atol=1e-5)
+    else:  # leaves keep the predicted rotation
+      np.testing.assert_allclose(Q[:, j], Q_plain[:, j], atol=1e-5)
+
+
+@pytest.mark.parametrize('space', model.OUTPUT_SPACES)
+def test_to_local_inverts_from_local(space):
+  for rig in (RIG, skeleton.smpl22()):
+    n = 3
+    local = jnp.asarray(SciRot.random(n * rig.num_joints, random_state=7).as_matrix().reshape(
+        n, rig.num_joints, 3, 3), jnp.float32)
+    B = jnp.asarray(bone_frames.bone_frames_np(rig.template(), rig), jnp.float32)[None]
+    out = model.from_local(local, B, rig, space)
+    _assert_rotations(out)
+    np.testing.assert_allclose(model.to_local(out, B, rig, space), local, atol=2e-5)
+
+
+def test_mixed_output_is_bone_aligned_for_bones_and_local_for_leaves():
+  local = jnp.asarray(SciRot.random(2 * J, random_state=8).as_matrix().reshape(2, J, 3, 3),
+                      jnp.float32)
+  B = jnp.asarray(bone_frames.bone_frames_np(RIG.template(), RIG), jnp.float32)[None]
+  Q = bone_frames.q_from_local(local, B, RIG)
+  mixed = model.from_local(local, B, RIG, 'mixed')
+  for j, c in enumerate(RIG.designated_children):
+    np.testing.assert_allclose(mixed[:, j], Q[:, j] if c >= 0 else local[:, j], atol=1e-6)
+
+
+def test_initial_output_is_near_the_identity_6d():
+  for arch in model.ARCHS:
+    m = model.create_model(model.ModelConfig(arch=arch, size='tiny', output_space='local'), RIG,
+                           nnx.Rngs(0))
+    R = np.asarray(m(X, deterministic=True))
+    assert np.abs(R - np.eye(3)).max() < 0.1, arch
+
+
+def test_param_table_base_matches_the_paper_count():
+  table = model.param_table()
+  msg = json.dumps(table, indent=1)
+  base = table['ikgat']['cmu_body']['base']
+  assert abs(base - 374_000) / 374_000 < 0.10, msg
+  for arch in ('mlp', 'transformer'):
+    for rig, sizes in table[arch].items():
+      for size, count in sizes.items():
+        ratio = count / table['ikgat'][rig][size]
+        assert 0.85 < ratio < 1.15, f'{arch} {rig} {size}: {ratio:.2f}\n{msg}'
+  m = model.create_model(model.ModelConfig(size='tiny'), RIG, nnx.Rngs(0))
+  assert model.param_count(m) == table['ikgat']['cmu_body']['tiny']  # eval_shape == real
+
+
+def test_jitted_forward_does_not_retrace_and_matches_eager():
+  m = model.create_model(model.ModelConfig(size='tiny', heading_canonicalization=True,
+                                           observed_direction_head=True), RIG, nnx.Rngs(0))
+  graphdef, state = nnx.split(m)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def forward(state, x):
+    return nnx.merge(graphdef, state)(x, deterministic=True)
+
+  chex.clear_trace_counter()
+  y1 = forward(state, X)
+  y2 = forward(state, X + 0.01)
+  np.testing.assert_allclose(y1, m(X, deterministic=True), atol=1e-5)
+  assert not np.allclose(y1, y2)
+
+
+def test_dropout_is_active_only_when_not_deterministic():
+  m = model.create_model(model.ModelConfig(size='tiny', dropout=0.5), RIG, nnx.Rngs(0))
+  _randomize_head(m)
+  a, b = m(X, deterministic=False), m(X, deterministic=False)
+  assert not np.allclose(a, b)
+  np.testing.assert_array_equal(m(X, deterministic=True), m(X, deterministic=True))
+
+
+def test_any_leading_batch_shape():
+  m = model.create_model(model.ModelConfig(size='tiny'), RIG, nnx.Rngs(0))
+  assert m(X.reshape(2, 2, J, 3), deterministic=True).shape == (2, 2, J, 3, 3)
+
+
+def test_config_round_trips_through_json_and_config_dict():
+  cfg = model.ModelConfig(arch='transformer', size='base', hidden=96, output_space='mixed',
+                          observed_direction_head=True, heading_canonicalization=True)
+  assert model.ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+  assert model.ModelConfig.from_dict(ml_collections.ConfigDict(cfg.to_dict())) == cfg
+  with pytest.raises(ValueError, match='unknown'):
+    model.ModelConfig.from_dict({'size': 'tiny', 'colour': 'red'})
+  with pytest.raises(ValueError, match='size'):
+    model.ModelConfig(size='huge')
+
+
+def test_hip_pair_is_left_then_right():
+  assert [RIG.joint_names[i] for i in model.hip_pair(RIG)] == ['LeftUpLeg', 'RightUpLeg']
+  smpl = skeleton.smpl22()
+  assert [smpl.joint_names[i] for i in model.hip_pair(smpl)] == ['left_hip', 'right_hip']
+  # A rest pose is already canonical: its heading rotation is the identity.
+  x = jnp.asarray(skeleton.rest_positions_np(RIG.template(), RIG.parents), jnp.float32)[None]
+  np.testing.assert_allclose(model.heading_rotation(x, RIG, model.hip_pair(RIG))[0], np.eye(3),
+                             atol=1e-6)
