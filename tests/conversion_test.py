@@ -1,0 +1,427 @@
+"""BVH -> shards: real CMU files, rig reduction rules, resampling, splits, merging, re-rigging."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.spatial.transform import Rotation
+
+from data_prep import conversion
+from data_prep import make_split
+from data_prep import make_template
+from ik_gat_jax import data
+from ik_gat_jax import kinematics
+from ik_gat_jax import skeleton
+from ik_gat_jax.io import bvh
+
+REPO = Path(__file__).resolve().parents[1]
+CMU_UNITS = 0.056444
+FINGERS = ('LeftFingerBase', 'LThumb', 'RightFingerBase', 'RThumb')
+quiet = lambda message: None  # noqa: E731
+
+
+def _link(tmp_path: Path, cmu_dir: Path, *names: str) -> Path:
+  """A directory holding symlinks to some CMU files (the converter reads a directory)."""
+  d = tmp_path / 'in'
+  d.mkdir(exist_ok=True)
+  for n in names:
+    (d / n).symlink_to(cmu_dir / n)
+  return d
+
+
+def _reference_positions(path: Path, frames: slice = slice(1, None, 4)) -> tuple:
+  """Naive FK of the raw file (metres) at the kept frames, and the source joint names."""
+  m = bvh.read_bvh(path)
+  return bvh.naive_fk_np(m, CMU_UNITS)[frames], m.names
+
+
+# ----------------------------------------------------------------------------------------------
+# Real CMU files.
+
+
+@pytest.fixture(scope='module')
+def two_cmu_files(tmp_path_factory, cmu_dir):
+  tmp = tmp_path_factory.mktemp('cmu')
+  src = _link(tmp, cmu_dir, '07_01.bvh', '09_01.bvh')
+  summary = conversion.convert(src, 'cmu_body', tmp / 'out', log=quiet)
+  return tmp / 'out', summary
+
+
+def test_cmu_files_convert_with_tiny_fk_error_and_decimated_frames(two_cmu_files, cmu_dir):
+  out, summary = two_cmu_files
+  assert summary['fk_max_error_m'] < 1e-5
+  rig = skeleton.cmu_body()
+  for split, file in (('test', '07_01.bvh'), ('train', '09_01.bvh')):
+    ds = data.load_shards(out, split)
+    T = bvh.read_bvh(cmu_dir / file).num_frames
+    assert ds.num_frames == len(range(0, T - 1, 4))  # drop the T-pose, every 4th frame
+    ref, names = _reference_positions(cmu_dir / file)
+    idx = [names.index(n) for n in rig.joint_names]
+    np.testing.assert_allclose(ds.positions, ref[:, idx], atol=2e-6)  # float32 storage
+    np.testing.assert_array_equal(ds.frame_index, np.arange(ds.num_frames))
+  assert summary['files'] == {'test': 1, 'train': 1}
+  assert summary['frames'] == {'test': 79, 'train': 37}
+  files = json.loads((out / 'files.json').read_text())
+  assert [f['part'] for f in files] == ['unseen_subject', None]  # from the committed split
+
+
+def test_cmu_reduction_folds_identity_joints_into_offsets(cmu_dir):
+  jmap = conversion.load_joint_map('cmu_body')
+  motion, _ = conversion.read_motion(cmu_dir / '07_01.bvh', drop_first_frame=True)
+  plan = conversion.plan_reduction(motion.names, motion.parents, jmap, skeleton.CMU_BODY_JOINTS,
+                                   skeleton.CMU_BODY_PARENTS)
+  folded = {plan.names[k]: [motion.names[j] for j in f] for k, f in enumerate(plan.folded) if f}
+  assert folded == {'LeftUpLeg': ['LHipJoint'], 'RightUpLeg': ['RHipJoint'],
+                    'LeftArm': ['LeftShoulder'], 'RightArm': ['RightShoulder']}
+  reduced = conversion.reduce_motion(motion, plan, CMU_UNITS, np.eye(3))
+  rig = skeleton.cmu_body()
+  np.testing.assert_allclose(reduced.offsets[rig.index('LeftArm')],
+                             CMU_UNITS * motion.offsets[motion.names.index('LeftArm')])
+  assert np.all(reduced.offsets[[rig.index('LowerBack'), rig.index('Neck')]] == 0)  # stay
+
+
+def test_make_template_reproduces_the_committed_rig(cmu_dir):
+  rig = make_template.make_template_rig(cmu_dir, 'cmu_body')
+  committed = (skeleton.RIG_DIR / 'cmu_body.json').read_text()
+  assert make_template.rig_json_text(rig) == committed
+
+
+# ----------------------------------------------------------------------------------------------
+# Reduction rules on small synthetic files.
+
+_CHAIN = """HIERARCHY
+ROOT Root
+{{
+\tOFFSET 0 0 0
+\tCHANNELS 6 Xposition Yposition Zposition Zrotation Yrotation Xrotation
+\tJOINT Mid
+\t{{
+\t\tOFFSET 0 1 0
+\t\tCHANNELS {mid_channels}
+\t\tJOINT Tip
+\t\t{{
+\t\t\tOFFSET {tip_offset}
+\t\t\tCHANNELS 3 Zrotation Yrotation Xrotation
+\t\t\tEnd Site
+\t\t\t{{
+\t\t\t\tOFFSET 0 0.5 0
+\t\t\t}}
+\t\t}}
+\t}}
+}}
+MOTION
+Frames: 3
+Frame Time: 0.0083333333
+{rows}
+"""
+
+
+def _chain(mid_channels: str, rows: list[str], tip_offset: str = '0 1 0') -> bvh.BVHMotion:
+  text = _CHAIN.format(mid_channels=mid_channels, rows='\n'.join(rows), tip_offset=tip_offset)
+  return bvh.parse_bvh(text, 'chain.bvh')
+
+
+def _chain_map(*joints: str) -> conversion.JointMap:
+  return conversion.JointMap(joints=tuple((j, j) for j in joints), units=1.0, up='y',
+                             forward='z')
+
+
+def test_removing_a_rotating_intermediate_is_refused():
+  rows = ['0 0 0 0 0 0 0 0 0 0 0 0', '0 0 0 0 0 0 0 0 2 0 0 0', '0 0 0 0 0 0 0 0 0 0 0 0']
+  motion = _chain('3 Zrotation Yrotation Xrotation', rows)
+  with pytest.raises(conversion.ConversionError, match=r'Mid is not in the rig but rotates '
+                     r'\(by 2 degrees in frame 1\)'):
+    conversion.convert_motion(motion, _chain_map('Root', 'Tip'), np.eye(3), 120.0)
+  # Kept, it converts; identity, it is removed and its offset folds into Tip's.
+  conversion.convert_motion(motion, _chain_map('Root', 'Mid', 'Tip'), np.eye(3), 120.0)
+  still = _chain('3 Zrotation Yrotation Xrotation', [rows[0]] * 3)
+  _, out, _, p, err = conversion.convert_motion(still, _chain_map('Root', 'Tip'), np.eye(3), 120.0)
+  np.testing.assert_allclose(out.offsets, [[0, 0, 0], [0, 2, 0]])
+  assert err < 1e-12
+
+
+def test_a_near_identity_joint_above_a_long_bone_fails_the_fk_check():
+  # 0.0009 degrees is inside the removal tolerance, but over a 1 km bone it moves Tip by 1.6 cm.
+  rows = ['0 0 0 0 0 0 0 0 0 0 0 0', '0 0 0 0 0 0 0 0 0.0009 0 0 0', '0 0 0 0 0 0 0 0 0 0 0 0']
+  motion = _chain('3 Zrotation Yrotation Xrotation', rows, tip_offset='0 1000 0')
+  with pytest.raises(conversion.ConversionError, match='FK check failed'):
+    conversion.convert_motion(motion, _chain_map('Root', 'Tip'), np.eye(3), 120.0)
+
+
+def test_position_channels_on_a_non_root_fold_if_constant_and_refuse_if_moving():
+  six = '6 Xposition Yposition Zposition Zrotation Yrotation Xrotation'
+  constant = ['1 2 3 10 20 30 0 1.5 0 5 0 0 0 0 7'] * 3
+  chain = _chain_map('Root', 'Mid', 'Tip')
+  _, out, _, _, err = conversion.convert_motion(_chain(six, constant), chain, np.eye(3), 120.0)
+  np.testing.assert_allclose(out.offsets[1], [0, 1.5, 0])  # the channel value, not the OFFSET
+  assert err < 1e-12
+  moving = constant[:2] + ['1 2 3 10 20 30 0 1.6 0 5 0 0 0 0 7']
+  with pytest.raises(conversion.ConversionError, match='Mid has position channels that move'):
+    conversion.convert_motion(_chain(six, moving), chain, np.eye(3), 120.0)
+
+
+def test_joint_map_errors_name_the_problem():
+  motion = _chain('3 Zrotation Yrotation Xrotation', ['0 0 0 0 0 0 0 0 0 0 0 0'] * 3)
+  cases = [(_chain_map('Root', 'Mid'), 'Tip are neither mapped to the rig nor pruned'),
+           (_chain_map('Root', 'Mid', 'Toe'), 'does not have: Toe'),
+           (_chain_map('Mid', 'Tip'), None)]  # a mapped subtree below an unmapped root: fine
+  for jmap, message in cases:
+    if message is None:
+      conversion.plan_reduction(motion.names, motion.parents, jmap)
+    else:
+      with pytest.raises(conversion.ConversionError, match=message):
+        conversion.plan_reduction(motion.names, motion.parents, jmap)
+  with pytest.raises(conversion.ConversionError, match='its rig parent is Root'):
+    conversion.plan_reduction(motion.names, motion.parents, _chain_map('Root', 'Mid', 'Tip'),
+                              ('Root', 'Mid', 'Tip'), (-1, 0, 0))
+
+
+def test_joint_map_schema_validation():
+  doc = json.loads((conversion.JOINT_MAP_DIR / 'cmu_body.json').read_text())
+  conversion.joint_map_from_json(doc, 'cmu_body', conversion.JOINT_MAP_DIR)
+  for change, message in [({'units': -1}, 'must be > 0'),
+                          ({'up': 'w'}, "bad.up: 'w' does not match"),
+                          ({'colour': 'red'}, "unknown field 'colour'"),
+                          ({'prune': 'LThumb'}, 'bad.prune: expected array'),
+                          ({'joints': {'Hips': 3}}, 'bad.joints.Hips: expected string')]:
+    with pytest.raises(conversion.ConversionError, match=message):
+      conversion.joint_map_from_json({**doc, **change}, 'bad', conversion.JOINT_MAP_DIR)
+  bad = {k: v for k, v in doc.items() if k != 'units'}
+  with pytest.raises(conversion.ConversionError, match='missing required units'):
+    conversion.joint_map_from_json(bad, 'bad', conversion.JOINT_MAP_DIR)
+  with pytest.raises(conversion.ConversionError, match='perpendicular'):
+    conversion.joint_map_from_json({**doc, 'forward': '-y'}, 'bad', conversion.JOINT_MAP_DIR)
+
+
+# ----------------------------------------------------------------------------------------------
+# Resampling against hand-computed frames.
+
+
+def _two_joint_clip(T: int = 13) -> conversion.ReducedMotion:
+  t = np.arange(T, dtype=np.float64)
+  root = Rotation.from_euler('y', 10.0 * t[:, None], degrees=True).as_matrix()  # uniform yaw
+  child = Rotation.from_euler('x', 2.0 * t[:, None]**2, degrees=True).as_matrix()  # accelerating
+  root_pos = np.stack([0.01 * t, 0.001 * t**2, np.zeros(T)], axis=1)
+  return conversion.ReducedMotion(local_rot=np.stack([root, child], axis=1), root_pos=root_pos,
+                                  offsets=np.array([[0.0, 0.0, 0.0], [0.0, 0.0, 0.3]]))
+
+
+def test_decimation_keeps_every_fourth_frame():
+  clip = _two_joint_clip()
+  out = conversion.resample(clip, 120.0, 30.0)
+  np.testing.assert_array_equal(out.local_rot, clip.local_rot[[0, 4, 8, 12]])
+  np.testing.assert_array_equal(out.root_pos, clip.root_pos[[0, 4, 8, 12]])
+
+
+def test_slerp_resampling_120_to_50_matches_hand_computed_frames():
+  clip = _two_joint_clip()
+  out = conversion.resample(clip, 120.0, 50.0)
+  s = np.array([0.0, 2.4, 4.8, 7.2, 9.6, 12.0])  # source frame of each 50 fps frame
+  assert out.local_rot.shape == (6, 2, 3, 3)
+  i0 = np.floor(s + 1e-9).astype(int)
+  i1, f = np.minimum(i0 + 1, 12), s - i0
+  # Same-axis rotations: slerp interpolates the angle linearly between the two frames.
+  root = Rotation.from_euler('y', 10.0 * s[:, None], degrees=True).as_matrix()
+  child_angle = 2.0 * i0**2 + f * (2.0 * i1**2 - 2.0 * i0**2)
+  child = Rotation.from_euler('x', child_angle[:, None], degrees=True).as_matrix()
+  np.testing.assert_allclose(out.local_rot[:, 0], root, atol=1e-12)
+  np.testing.assert_allclose(out.local_rot[:, 1], child, atol=1e-12)
+  y = 0.001 * (i0**2 + f * (i1**2 - i0**2))
+  np.testing.assert_allclose(out.root_pos, np.stack([0.01 * s, y, 0 * s], 1), atol=1e-12)
+  G, p = conversion.forward_kinematics_np(out, (-1, 0))  # FK again on the slerped rotations
+  np.testing.assert_allclose(p[:, 1], out.root_pos + root @ np.array([0.0, 0.0, 0.3]), atol=1e-12)
+  np.testing.assert_allclose(G[:, 1], root @ child, atol=1e-12)
+
+
+def test_source_fps_snaps_rounded_frame_times():
+  assert conversion.source_fps(0.0083333) == 120.0
+  assert conversion.source_fps(1 / 59.94) == pytest.approx(59.94)
+
+
+# ----------------------------------------------------------------------------------------------
+# The committed split.
+
+
+def test_split_file_hashes_match_the_data_and_the_rule(cmu_dir):
+  split = json.loads((conversion.SPLIT_DIR / 'cmu_default.json').read_text())
+  files = {f['file']: f for f in split['files']}
+  assert sorted(files) == sorted(p.name for p in cmu_dir.glob('*.bvh'))
+  for name, entry in files.items():
+    assert conversion.file_sha256(cmu_dir / name) == entry['sha256'], name
+  assert all(f['split'] == 'test' and f['part'] == 'unseen_subject'
+             for f in files.values() if f['subject'] == make_split.UNSEEN_SUBJECT)
+  others = {f['subject'] for f in files.values()} - {make_split.UNSEEN_SUBJECT}
+  for s in others:
+    mine = [f for f in files.values() if f['subject'] == s]
+    assert sorted(f['split'] for f in mine if f['split'] != 'train') == ['test', 'val']
+    assert [f['part'] for f in mine if f['split'] == 'test'] == ['unseen_file']
+  rows = make_split.read_manifest(cmu_dir)
+  assert make_split.make_split(rows) == split  # regenerating gives the committed file
+  readme = (conversion.SPLIT_DIR / 'README.md').read_text()
+  assert readme == make_split.counts_markdown(split)
+
+
+# ----------------------------------------------------------------------------------------------
+# Output handling: merging, refusals, the command line.
+
+
+def test_second_run_adds_files_and_keeps_ids(tmp_path, cmu_dir):
+  out = tmp_path / 'out'
+  conversion.convert(_link(tmp_path, cmu_dir, '07_01.bvh'), 'cmu_body', out, log=quiet)
+  (tmp_path / 'in2').mkdir()
+  for n in ('07_01.bvh', '07_02.bvh', '08_01.bvh'):
+    (tmp_path / 'in2' / n).symlink_to(cmu_dir / n)
+  messages = []
+  summary = conversion.convert(tmp_path / 'in2', 'cmu_body', out, split='train',
+                               log=messages.append)
+  assert '07_01.bvh: already in' in messages[0]
+  files = json.loads((out / 'files.json').read_text())
+  assert [(f['file'], f['file_id'], f['split'], f['subject_id']) for f in files] == [
+      ('07_01.bvh', 0, 'test', 0), ('07_02.bvh', 1, 'train', 0), ('08_01.bvh', 2, 'train', 1)]
+  assert summary['files'] == {'test': 1, 'train': 2} and len(summary['runs']) == 2
+  train = data.load_shards(out, 'train')
+  assert train.num_frames == summary['frames']['train'] == files[1]['frames'] + files[2]['frames']
+  np.testing.assert_array_equal(np.unique(train.file_id), [1, 2])
+  assert train.offsets.shape == (2, 21, 3)
+  # Re-running is a no-op; a refused run leaves the directory as it was.
+  before = (out / 'summary.json').read_text()
+  conversion.convert(tmp_path / 'in2', 'cmu_body', out, split='train', log=quiet)
+  with pytest.raises(conversion.ConversionError, match='30.0 fps shards'):
+    conversion.convert(cmu_dir / '07_03.bvh', 'cmu_body', out, fps=50.0, log=quiet)
+  assert (out / 'summary.json').read_text() == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['in', 'in2', 'out']  # no temp dirs left
+
+
+def test_auto_split_refuses_unlisted_and_changed_files(tmp_path, cmu_dir):
+  text = (cmu_dir / '07_01.bvh').read_text()
+  (tmp_path / '07_99.bvh').write_text(text)
+  with pytest.raises(conversion.ConversionError, match='07_99.bvh is not in split cmu_default; '
+                     'pass --split'):
+    conversion.convert(tmp_path / '07_99.bvh', 'cmu_body', tmp_path / 'out', log=quiet)
+  (tmp_path / '07_01.bvh').write_text(text.replace('Frame Time: .0083333', 'Frame Time: 0.01'))
+  with pytest.raises(conversion.ConversionError, match='the file changed'):
+    conversion.convert(tmp_path / '07_01.bvh', 'cmu_body', tmp_path / 'out', log=quiet)
+  assert not (tmp_path / 'out').exists()
+
+
+def test_command_line_reports_bad_input_in_one_line(tmp_path):
+  result = subprocess.run(
+      [sys.executable, '-m', 'data_prep.bvh_to_shards', f'--input={tmp_path}/none.bvh',
+       '--rig=cmu_body', f'--output={tmp_path}/out'], cwd=REPO, capture_output=True, text=True,
+      timeout=120)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == (
+      f'bvh_to_shards: error: input {tmp_path}/none.bvh does not exist')
+  assert not (tmp_path / 'out').exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Re-rigging: the same motion stored the way game engines store it, recovered by --rig=auto.
+
+_IDENTITY_JOINTS = ('LHipJoint', 'RHipJoint', 'LeftShoulder', 'RightShoulder')
+_CM_PER_UNIT = CMU_UNITS * 100.0
+
+
+def _bind_rotations(m: bvh.BVHMotion) -> np.ndarray:
+  """Per joint a rest orientation C_j whose +x runs along the joint's bone, with a random roll.
+
+  The four joints that never rotate take their parent's, so they stay identity (removable).
+  """
+  rng = np.random.default_rng(0)
+  C = []
+  for j, joint in enumerate(m.joints):
+    if joint.name in _IDENTITY_JOINTS:
+      C.append(C[joint.parent])
+      continue
+    bones = [m.joints[c].offset for c in range(len(m.joints))
+             if m.joints[c].parent == j and np.linalg.norm(m.joints[c].offset) > 0]
+    if not bones and joint.end_site is not None:
+      bones = [joint.end_site]
+    roll = Rotation.from_euler('x', rng.uniform(-180, 180), degrees=True)
+    align = (Rotation.align_vectors([bones[0]], [[1.0, 0.0, 0.0]])[0] if bones
+             else Rotation.random(random_state=j))
+    C.append((align * roll).as_matrix())
+  return np.stack(C)
+
+
+def _game_engine_bvh(m: bvh.BVHMotion, C: np.ndarray) -> bvh.BVHMotion:
+  """Bind-rotated frames, centimetres, ZXY channels, 6 channels everywhere, a dummy root."""
+  T, J = m.num_frames, len(m.joints)
+  R = np.stack([bvh.euler_to_matrix_np(m.rotation_degrees(j), m.euler_order(j))
+                for j in range(J)], axis=1)
+  joints = [bvh.BVHJoint('Armature', -1, np.zeros(3), bvh.POSITION_CHANNELS + (
+      'Zrotation', 'Xrotation', 'Yrotation'))]
+  columns = [np.zeros((T, 6))]
+  for j, joint in enumerate(m.joints):
+    Cp = C[joint.parent] if joint.parent >= 0 else np.eye(3)
+    R_new = Cp.T @ R[:, j] @ C[j]  # new local rotation: G_new = G C, so C_p^T R C
+    offset = _CM_PER_UNIT * Cp.T @ joint.offset
+    trans = (_CM_PER_UNIT * m.position_channels(j) if joint.parent < 0
+             else np.tile(offset, (T, 1)))
+    end = None if joint.end_site is None else _CM_PER_UNIT * C[j].T @ joint.end_site
+    joints.append(bvh.BVHJoint(joint.name, joint.parent + 1, offset, joints[0].channels, end))
+    columns.append(np.concatenate(
+        [trans, Rotation.from_matrix(R_new).as_euler('ZXY', degrees=True)], axis=1))
+  return bvh.BVHMotion(joints=joints, frame_time=m.frame_time,
+                       motion=np.concatenate(columns, axis=1))
+
+
+def test_game_engine_rig_is_recovered_by_auto(tmp_path, cmu_dir):
+  m = bvh.read_bvh(cmu_dir / '07_01.bvh')
+  m.motion = m.motion[:61]  # the T-pose frame and 60 real ones
+  C = _bind_rotations(m)
+  bvh.write_bvh(tmp_path / 'game_07.bvh', _game_engine_bvh(m, C))
+  summary = conversion.convert(tmp_path / 'game_07.bvh', 'auto', tmp_path / 'out', split='all',
+                               units='cm', prune=FINGERS, drop_first_frame=True,
+                               rig_name='game', log=quiet)
+  ds = data.load_shards(tmp_path / 'out', 'all')
+  rig = ds.rig
+  # Armature folded, the never-rotating joints removed, fingers pruned: the 21 cmu_body joints.
+  assert rig.name == 'game' and sorted(rig.joint_names) == sorted(skeleton.CMU_BODY_JOINTS)
+  assert summary['fk_max_error_m'] < 1e-5 and ds.num_frames == 15
+  src = [m.names.index(n) for n in rig.joint_names]
+  kept = slice(1, None, 4)
+  np.testing.assert_allclose(ds.positions, bvh.naive_fk_np(m, CMU_UNITS)[kept][:, src], atol=1e-5)
+  # Local rotations = the originals conjugated by the binds (the source parent's bind: a removed
+  # joint between shares its parent's).
+  R = np.stack([bvh.euler_to_matrix_np(m.rotation_degrees(j), m.euler_order(j))[kept]
+                for j in src], axis=1)
+  Cp = np.stack([C[m.parents[j]] if m.parents[j] >= 0 else np.eye(3) for j in src])
+  np.testing.assert_allclose(ds.local_rot, np.swapaxes(Cp, -1, -2) @ R @ C[src], atol=1e-5)
+  # FK of the converted rotations on the converted offsets gives the same positions.
+  _, p = kinematics.forward_kinematics(jnp.asarray(ds.local_rot), jnp.asarray(ds.offsets[0]),
+                                       rig.parents, root_pos=jnp.asarray(ds.positions[:, 0]))
+  np.testing.assert_allclose(np.asarray(p), ds.positions, atol=1e-5)
+  np.testing.assert_allclose(ds.offsets[0], np.asarray(rig.template_offsets), atol=1e-6)
+
+
+def test_z_up_source_is_turned_into_the_rig_world(tmp_path, cmu_dir):
+  m = bvh.read_bvh(cmu_dir / '07_01.bvh')
+  m.motion = m.motion[:41]
+  V = Rotation.from_euler('x', 90, degrees=True).as_matrix()  # y up -> z up, z fwd -> -y fwd
+  T, J = m.num_frames, len(m.joints)
+  columns, joints = [], []
+  for j, joint in enumerate(m.joints):
+    R = V @ bvh.euler_to_matrix_np(m.rotation_degrees(j), m.euler_order(j)) @ V.T
+    euler = Rotation.from_matrix(R).as_euler('ZYX', degrees=True)
+    pc = m.position_channels(j)
+    columns.append(euler if pc is None else np.concatenate([pc @ V.T, euler], axis=1))
+    joints.append(bvh.BVHJoint(joint.name, joint.parent, V @ joint.offset, joint.channels,
+                               None if joint.end_site is None else V @ joint.end_site))
+  (tmp_path / 'z').mkdir()
+  bvh.write_bvh(tmp_path / 'z' / '07_01.bvh', bvh.BVHMotion(joints, m.frame_time,
+                                                            np.concatenate(columns, axis=1)))
+  (tmp_path / 'y').mkdir()
+  bvh.write_bvh(tmp_path / 'y' / '07_01.bvh', m)
+  conversion.convert(tmp_path / 'z', 'cmu_body', tmp_path / 'out_z', up='z', forward='-y',
+                     split='all', log=quiet)
+  conversion.convert(tmp_path / 'y', 'cmu_body', tmp_path / 'out_y', split='all', log=quiet)
+  z, y = data.load_shards(tmp_path / 'out_z', 'all'), data.load_shards(tmp_path / 'out_y', 'all')
+  np.testing.assert_allclose(z.positions, y.positions, atol=1e-5)
+  np.testing.assert_allclose(z.local_rot, y.local_rot, atol=1e-5)
+  np.testing.assert_allclose(z.offsets, y.offsets, atol=1e-6)
