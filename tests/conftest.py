@@ -22,3 +22,26 @@ def cmu_dir() -> Path:
   if not (CMU_DIR / '07_01.bvh').exists():
     pytest.skip(f'CMU data not found at {CMU_DIR} (only present beside the project checkout)')
   return CMU_DIR
+
+
+def _quiet(msg: str) -> None:
+  del msg
+
+
+@pytest.fixture(scope='session')
+def cmu_shards(cmu_dir, tmp_path_factory):
+  """Small real shards: 07_01 + 09_01 (train), 07_02 (val), at 30 fps. Shared by the session."""
+  from data_prep import conversion
+  out = tmp_path_factory.mktemp('cmu_shards')
+  for name, split in (('07_01', 'train'), ('09_01', 'train'), ('07_02', 'val')):
+    conversion.convert(cmu_dir / f'{name}.bvh', 'cmu_body', out, split=split, log=_quiet)
+  return out
+
+
+@pytest.fixture(scope='session')
+def overfit_shards(cmu_dir, tmp_path_factory):
+  """300+ frames of 07_01 alone (120 fps), train and val the same file."""
+  from data_prep import conversion
+  out = tmp_path_factory.mktemp('overfit_shards')
+  conversion.convert(cmu_dir / '07_01.bvh', 'cmu_body', out, split='train', fps=120, log=_quiet)
+  return out

@@ -1,0 +1,42 @@
+"""Train IK-GAT (DESIGN section 9).
+
+  python -m experiments.train --data=DIR --workdir=DIR [--steps=N] [--size=tiny|small|base|large]
+      [--config=experiments/configs/default.py] [--config.train.lr=3e-4 ...]
+
+Rerunning with the same --workdir resumes from its latest checkpoint.
+"""
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from experiments.common import fail_on_user_error
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'experiments/configs/default.py',
+                                          'Training config file.', lock_config=False)
+_DATA = flags.DEFINE_string('data', None, 'Shard directory (from data_prep.bvh_to_shards).')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory; an existing one is resumed.')
+_STEPS = flags.DEFINE_integer('steps', None, 'Training steps (overrides the config).')
+_SIZE = flags.DEFINE_enum('size', None, ['tiny', 'small', 'base', 'large'], 'Model size.')
+flags.mark_flags_as_required(['data', 'workdir'])
+
+
+@fail_on_user_error
+def main(argv):
+  del argv
+  from ik_gat_jax import train
+  config = _CONFIG.value
+  config.data = _DATA.value
+  if _STEPS.value is not None:
+    config.train.steps = _STEPS.value
+  if _SIZE.value is not None:
+    config.model.size = _SIZE.value
+  try:
+    train.train_and_evaluate(config, _WORKDIR.value)
+  except KeyboardInterrupt:
+    sys.exit(130)
+
+
+if __name__ == '__main__':
+  app.run(main)

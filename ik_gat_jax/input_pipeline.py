@@ -1,0 +1,119 @@
+"""Training input: a stateless batch order, host batching from memory-mapped shards, and the
+augmentations of DESIGN section 5 as pure, jittable functions.
+
+The batch order is a function of `(seed, step)` only: epoch e is a permutation of all frames
+drawn from `np.random.default_rng([seed, e])`, and step s takes the next `batch_size` entries of
+the endless concatenation of epochs. Resuming at step s therefore yields exactly the batches an
+uninterrupted run would have seen, on any number of devices.
+
+A batch is a dict of arrays, leading axis B:
+  positions [B, J, 3] world positions (m), local_rot [B, J, 3, 3], offsets [B, J, 3] (the
+  frame's subject), bone_frames [B, J, 3, 3] (the subject's rest bone frames).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ik_gat_jax import bone_frames as bf
+from ik_gat_jax import kinematics
+from ik_gat_jax import rotations
+from ik_gat_jax.skeleton import Rig
+
+BATCH_KEYS = ('positions', 'local_rot', 'offsets', 'bone_frames')
+
+
+def batch_indices(step: int, batch_size: int, num_examples: int, seed: int) -> np.ndarray:
+  """Frame indices `[batch_size]` of training step `step` (module docstring)."""
+  start = step * batch_size
+  out = []
+  while len(out) < batch_size:
+    epoch, offset = divmod(start + len(out), num_examples)
+    perm = np.random.default_rng([seed, epoch]).permutation(num_examples)
+    out.extend(perm[offset:offset + batch_size - len(out)].tolist())
+  return np.asarray(out, dtype=np.int64)
+
+
+def gather_batch(dataset: Any, idx: np.ndarray) -> dict[str, np.ndarray]:
+  """Host batch from a dataset with memory-mapped frame arrays and per-subject arrays.
+
+  Indices are sorted for the memory-mapped read and the original order restored after, so a
+  random batch touches each page once.
+  """
+  order = np.argsort(idx, kind='stable')
+  inverse = np.empty_like(order)
+  inverse[order] = np.arange(len(order))
+  sidx = idx[order]
+  subj = np.asarray(dataset.subject_id[sidx])[inverse]
+  return {
+      'positions': np.asarray(dataset.positions[sidx], np.float32)[inverse],
+      'local_rot': np.asarray(dataset.local_rot[sidx], np.float32)[inverse],
+      'offsets': np.asarray(dataset.offsets, np.float32)[subj],
+      'bone_frames': np.asarray(dataset.bone_frames, np.float32)[subj],
+  }
+
+
+# ----------------------------------------------------------------------------------------------
+# Augmentation (jittable; each is off when its config value is 0 / False).
+
+
+def _mirror_matrix(rig: Rig) -> jax.Array:
+  lat = jnp.asarray(rig.lateral, jnp.float32)
+  return jnp.eye(3) - 2.0 * jnp.outer(lat, lat)
+
+
+def mirror_batch(batch: dict, flip: jax.Array, rig: Rig) -> dict:
+  """Mirror the examples where `flip: [B]` is True (whole subject: offsets, rotations, B).
+
+  With M the reflection of the lateral axis and m the mirror map: `o'_j = M o_m(j)`,
+  `R'_j = M R_m(j) M`, `p'_j = M p_m(j)`; the bone frames are recomputed from `o'`.
+  """
+  M = _mirror_matrix(rig)
+  m = np.asarray(rig.mirror)
+  off = batch['offsets'][:, m] @ M.T
+  R = M @ batch['local_rot'][:, m] @ M
+  pos = batch['positions'][:, m] @ M.T
+  B = bf.bone_frames(off, rig)
+  sel = lambda a, b: jnp.where(flip.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+  return {**batch, 'offsets': sel(off, batch['offsets']), 'local_rot': sel(R, batch['local_rot']),
+          'positions': sel(pos, batch['positions']),
+          'bone_frames': sel(B, batch['bone_frames'])}
+
+
+def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
+  """Applies the configured augmentations and recomputes clean positions by FK.
+
+  `aug` fields: yaw (bool: uniform rotation about up), mirror (probability), bone_scale
+  (half-width s: per-bone factors U[1-s, 1+s] shared by mirror pairs, directions kept),
+  noise_mm (Gaussian sigma added to `input_positions` only). Adds `input_positions`.
+  """
+  k_yaw, k_mir, k_scale, k_noise = jax.random.split(key, 4)
+  B_ = batch['positions'].shape[0]
+  changed = False
+  if aug.mirror > 0:
+    batch = mirror_batch(batch, jax.random.uniform(k_mir, (B_,)) < aug.mirror, rig)
+  if aug.bone_scale > 0:
+    u = jax.random.uniform(k_scale, (B_, rig.num_joints), minval=1 - aug.bone_scale,
+                           maxval=1 + aug.bone_scale)
+    u = u[:, np.minimum(np.arange(rig.num_joints), np.asarray(rig.mirror))]
+    batch = {**batch, 'offsets': batch['offsets'] * u[..., None]}
+    changed = True
+  root_pos = batch['positions'][:, 0]
+  if aug.yaw:
+    angle = jax.random.uniform(k_yaw, (B_,), minval=-jnp.pi, maxval=jnp.pi)
+    Ry = rotations.matrix_from_axis_angle(angle[:, None] * jnp.asarray(rig.up, jnp.float32))
+    batch = {**batch, 'local_rot': batch['local_rot'].at[:, 0].set(Ry @ batch['local_rot'][:, 0])}
+    root_pos = jnp.einsum('bij,bj->bi', Ry, root_pos)
+    changed = True
+  if changed:
+    _, pos = kinematics.forward_kinematics(batch['local_rot'], batch['offsets'], rig.parents,
+                                           root_pos)
+    batch = {**batch, 'positions': pos}
+  noisy = batch['positions']
+  if aug.noise_mm > 0:
+    noisy = noisy + 1e-3 * aug.noise_mm * jax.random.normal(k_noise, noisy.shape)
+  return {**batch, 'input_positions': noisy}
