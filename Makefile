@@ -21,7 +21,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 venv: $(VENV)/.installed
 
 demo: venv
-	$(PYTHON) -m experiments.demo
+	$(PYTHON) -m experiments.demo $(DEMO_ARGS)
 
 # pytest exits 5 when it collected no test; that is not a failure of the code.
 test: venv

@@ -45,3 +45,17 @@ def overfit_shards(cmu_dir, tmp_path_factory):
   out = tmp_path_factory.mktemp('overfit_shards')
   conversion.convert(cmu_dir / '07_01.bvh', 'cmu_body', out, split='train', fps=120, log=_quiet)
   return out
+
+
+# The shortest file of each CMU subject (01 has no short file: 01_14, 2339 frames at 120 fps).
+ONE_FILE_PER_SUBJECT = ('01_14', '03_02', '05_03', '06_09', '07_12', '08_10', '09_03')
+
+
+@pytest.fixture(scope='session')
+def all_subject_shards(cmu_dir, tmp_path_factory):
+  """One file per CMU subject (all seven), at 30 fps, in split 'all'."""
+  from data_prep import conversion
+  out = tmp_path_factory.mktemp('all_subjects')
+  for name in ONE_FILE_PER_SUBJECT:
+    conversion.convert(cmu_dir / f'{name}.bvh', 'cmu_body', out, split='all', log=_quiet)
+  return out
