@@ -1,0 +1,460 @@
+"""Non-learned baselines and iterative IK (DESIGN section 6).
+
+- `swing_ik`: analytic swing-only IK, top-down. A joint whose rigid child bones (children not
+  co-located with it) span a plane -- the root and every 'determined' joint of
+  `Rig.observability()` -- gets the SVD (Kabsch) rotation taking its rest child offsets to the
+  observed child bones, in its parent's frame; every other joint with a designated child c gets
+  `R_j = Rmin(normalize(o_c) -> G_hat_parent.T @ b_j)`, `b_j = p_c - p_j`; leaves get identity.
+  A root with a single rigid child bone is solved like a swing joint (a Kabsch rotation from one
+  vector leaves the twist to the SVD's arbitrary basis). On clean input every bone direction is
+  reproduced, so FK gives the observed positions.
+- `mean_pose` / `mean_pose_ik`: the chordal L2 mean of the training local rotations (SVD
+  projection of the mean matrix) with the analytic (Kabsch) root.
+- Iterative IK: one optimisation core `_optimize` (fixed budget, `lax.scan` over iterations;
+  Adam with a cosine-decayed step, or optax L-BFGS with its zoom line search) minimising, for ONE
+  frame, `w_data * sum_j |FK(params)_j - p_j|^2` (metres, root translation fixed to the target
+  root) plus a penalty. Two parameterisations plug into it:
+  - rotations (no prior): per-joint 6D of all J local rotations, root included, no penalty;
+  - latent (prior): `(z [latent], root 6D)`, non-root rotations `decode(decode_params, z)`,
+    penalty `w_z |z|^2`.
+  The per-frame solve is `jax.vmap`ped over frames (cold start) or over fixed windows of a clip
+  with `lax.scan` over the frames of a window (warm start: a window's first frame is solved cold
+  with `iters`, each later frame starts from the previous frame's solution with `warm_iters`).
+
+Choices written down:
+- The decoder is passed as `decode(decode_params, z) -> [J-1, 3, 3]` with its parameters as a
+  traced pytree, so one compiled solver serves every checkpoint; `decode` itself is a static
+  argument of the jitted entry points (hashable, e.g. `vposer.DecoderFn`).
+- Adam's step follows a cosine decay from `lr` to `lr * final_lr_frac` over the budget (a constant
+  step leaves a jitter of about `lr` in 6D units, mm-level on limbs), with b2 = 0.9 (see
+  `SolverConfig`).
+- `init_root` applies to both parameterisations; the non-root joints start at the rest pose
+  (identity) without a prior and at `z = 0` with one.
+- The loss trace has `iters + 1` entries: the loss at the start and after every iteration.
+- Measured on 07_01 (316 clean frames, rotations without a prior, 300 iterations): MPJPE 0.14 mm
+  but local rotation error 21.9 deg against swing IK's 11.5: the unobserved twists have no
+  restoring force and Adam's normalised steps let them wander. Positions check consistency;
+  rotation errors rank methods (DESIGN section 7).
+- XLA's cost analysis counts a loop body once, whatever its trip count, so solver FLOPs are
+  measured on one iteration and multiplied by the budget (`solver_flops_per_frame`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ik_gat_jax import kinematics
+from ik_gat_jax import rotations
+from ik_gat_jax.skeleton import Rig
+
+Params = Any  # a pytree of arrays
+Decode = Callable[[Params, jax.Array], jax.Array]  # (decode_params, z [L]) -> [J-1, 3, 3]
+
+
+# ----------------------------------------------------------------------------------------------
+# Analytic: Kabsch, swing-only IK, mean pose.
+
+
+def project_to_so3(M: jax.Array) -> jax.Array:
+  """Nearest rotation (Frobenius / chordal) to `M: [..., 3, 3]`, by SVD with det correction."""
+  U, _, Vt = jnp.linalg.svd(M)
+  d = jnp.sign(jnp.linalg.det(U @ Vt))
+  U = U.at[..., :, 2].multiply(d[..., None])
+  return U @ Vt
+
+
+def kabsch(rest: jax.Array, observed: jax.Array) -> jax.Array:
+  """Rotation R minimising `sum_k |R rest_k - observed_k|^2`; `rest, observed: [..., K, 3]`."""
+  return project_to_so3(jnp.einsum('...ka,...kb->...ab', observed, rest))
+
+
+def rigid_children(rig: Rig) -> tuple[tuple[int, ...], ...]:
+  """Per joint, its children at a different position (template rest pose); static."""
+  coloc = rig.colocated()
+  return tuple(tuple(c for c in kids if not coloc[c]) for kids in rig.children)
+
+
+def _spans_plane(j: int, rig: Rig) -> bool:
+  return rig.observability()[j] == 'determined'
+
+
+def _joint_rotation(j: int, positions: jax.Array, offsets: jax.Array, G_parent: jax.Array,
+                    rig: Rig) -> jax.Array:
+  """Local rotation `[..., 3, 3]` of joint j from observed positions, given its parent's frame.
+
+  `positions, offsets: [..., J, 3]`, `G_parent: [..., 3, 3]` (world rotation of j's parent,
+  identity for the root).
+  """
+  to_parent = lambda v: jnp.einsum('...ba,...b->...a', G_parent, v)  # G_parent.T @ v
+  if _spans_plane(j, rig):
+    kids = list(rigid_children(rig)[j])
+    bones = positions[..., kids, :] - positions[..., j:j + 1, :]
+    observed = jnp.einsum('...ba,...kb->...ka', G_parent, bones)
+    return kabsch(offsets[..., kids, :], observed)
+  c = rig.designated_children[j]
+  if c < 0:
+    return jnp.broadcast_to(jnp.eye(3, dtype=positions.dtype), G_parent.shape)
+  bone = to_parent(positions[..., c, :] - positions[..., j, :])
+  return rotations.minimal_rotation(offsets[..., c, :], bone)
+
+
+def _broadcast_pair(positions: jax.Array, offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
+  positions, offsets = jnp.asarray(positions), jnp.asarray(offsets, positions.dtype)
+  batch = jnp.broadcast_shapes(positions.shape[:-2], offsets.shape[:-2])
+  return (jnp.broadcast_to(positions, batch + positions.shape[-2:]),
+          jnp.broadcast_to(offsets, batch + offsets.shape[-2:]))
+
+
+def swing_ik(positions: jax.Array, offsets: jax.Array, rig: Rig) -> jax.Array:
+  """Analytic swing-only IK (module docstring).
+
+  Args:
+    positions: `[..., J, 3]` observed world joint positions (metres).
+    offsets: `[..., J, 3]` or `[J, 3]` the subject's rest offsets (each in its parent's frame).
+    rig: static rig.
+
+  Returns:
+    `[..., J, 3, 3]` local (parent-relative) rotations; the root's is its world rotation.
+  """
+  positions, offsets = _broadcast_pair(positions, offsets)
+  eye = jnp.broadcast_to(jnp.eye(3, dtype=positions.dtype), positions.shape[:-2] + (3, 3))
+  G, R = [], []
+  for j, p in enumerate(rig.parents):
+    G_parent = eye if p < 0 else G[p]
+    R.append(_joint_rotation(j, positions, offsets, G_parent, rig))
+    G.append(G_parent @ R[-1])
+  return jnp.stack(R, axis=-3)
+
+
+def root_rotation(positions: jax.Array, offsets: jax.Array, rig: Rig) -> jax.Array:
+  """The analytic root rotation of `swing_ik` alone: `[..., J, 3]` -> `[..., 3, 3]` (world)."""
+  positions, offsets = _broadcast_pair(positions, offsets)
+  eye = jnp.broadcast_to(jnp.eye(3, dtype=positions.dtype), positions.shape[:-2] + (3, 3))
+  return _joint_rotation(0, positions, offsets, eye, rig)
+
+
+def mean_pose(train_local_rot: jax.Array) -> jax.Array:
+  """Chordal L2 mean per joint: `[N, J, 3, 3]` -> `[J, 3, 3]` (SVD projection of the mean)."""
+  return project_to_so3(jnp.mean(jnp.asarray(train_local_rot, jnp.float32), axis=0))
+
+
+def mean_pose_ik(positions: jax.Array, offsets: jax.Array, mean_local: jax.Array,
+                 rig: Rig) -> jax.Array:
+  """The mean-pose floor: constant non-root local rotations `mean_local: [J, 3, 3]`, analytic
+  root from `positions: [..., J, 3]` -> local rotations `[..., J, 3, 3]`."""
+  root = root_rotation(positions, offsets, rig)
+  local = jnp.broadcast_to(mean_local, root.shape[:-2] + mean_local.shape)
+  return local.at[..., 0, :, :].set(root)
+
+
+# ----------------------------------------------------------------------------------------------
+# Iterative IK: configuration and the one optimisation core.
+
+
+@dataclasses.dataclass(frozen=True)
+class SolverConfig:
+  """Static configuration of the iterative solvers (hashable: a jit static argument).
+
+  Attributes:
+    iters: iterations per frame for a cold start (and a window's first frame).
+    lr: Adam's initial step (ignored by L-BFGS, which uses its line search).
+    final_lr_frac: Adam's step decays (cosine) to `lr * final_lr_frac` at the end of a budget.
+    adam_b1, adam_b2: Adam's moment decays. b2 = 0.9, not 0.999: the gradients shrink by orders
+      of magnitude within a solve, and a long second-moment memory of the first large ones
+      stalls the end (07_01, 16 frames, 300 iterations, lr 0.1: 4.6 mm MPJPE with b2 = 0.999,
+      3.5 mm with 0.99, 0.02 mm with 0.9).
+    w_data: weight of the sum of squared position errors (metres^2).
+    w_z: weight of `|z|^2` (latent solver only).
+    optimizer: 'adam' or 'lbfgs'.
+    init_root: 'identity' or 'analytic' (the Kabsch root of `swing_ik`).
+    warm_iters: iterations per frame for warm-started frames.
+    window: frames per warm-start window (a window's first frame is solved cold).
+    lbfgs_memory: L-BFGS history length.
+  """
+  iters: int = 100
+  lr: float = 0.1
+  final_lr_frac: float = 0.05
+  adam_b1: float = 0.9
+  adam_b2: float = 0.9
+  w_data: float = 10.0
+  w_z: float = 0.01
+  optimizer: str = 'adam'
+  init_root: str = 'analytic'
+  warm_iters: int = 20
+  window: int = 30
+  lbfgs_memory: int = 10
+
+  def __post_init__(self):
+    if self.optimizer not in ('adam', 'lbfgs'):
+      raise ValueError(f"optimizer must be 'adam' or 'lbfgs', got {self.optimizer!r}")
+    if self.init_root not in ('identity', 'analytic'):
+      raise ValueError(f"init_root must be 'identity' or 'analytic', got {self.init_root!r}")
+    if self.iters < 1 or self.warm_iters < 1 or self.window < 1:
+      raise ValueError(f'iters, warm_iters and window must be >= 1, got {self}')
+
+
+def _optimizer(config: SolverConfig, iters: int) -> optax.GradientTransformationExtraArgs:
+  if config.optimizer == 'lbfgs':
+    return optax.lbfgs(memory_size=config.lbfgs_memory)
+  schedule = optax.cosine_decay_schedule(config.lr, iters, alpha=config.final_lr_frac)
+  return optax.with_extra_args_support(optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2))
+
+
+def _make_step(loss_fn: Callable[[Params], jax.Array], opt: optax.GradientTransformationExtraArgs,
+               config: SolverConfig) -> Callable:
+  """One iteration `((params, opt_state), _) -> ((params, opt_state), loss before the step)`."""
+  if config.optimizer == 'lbfgs':
+    value_and_grad = optax.value_and_grad_from_state(loss_fn)  # reuses the line search's value
+  else:
+    value_and_grad = lambda p, state: jax.value_and_grad(loss_fn)(p)
+
+  def step(carry, _):
+    params, state = carry
+    value, grad = value_and_grad(params, state=state)
+    updates, state = opt.update(grad, state, params, value=value, grad=grad, value_fn=loss_fn)
+    return (optax.apply_updates(params, updates), state), value
+
+  return step
+
+
+def _optimize(loss_fn: Callable[[Params], jax.Array], params0: Params, iters: int,
+              config: SolverConfig) -> tuple[Params, jax.Array]:
+  """Minimises `loss_fn` from `params0` for exactly `iters` iterations (one problem, unbatched).
+
+  Returns `(params, trace [iters + 1])`: the loss before each iteration and at the end.
+  """
+  opt = _optimizer(config, iters)
+  step = _make_step(loss_fn, opt, config)
+  (params, _), trace = jax.lax.scan(step, (params0, opt.init(params0)), length=iters)
+  return params, jnp.append(trace, loss_fn(params))
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameterisations: params of one frame -> local rotations [J, 3, 3], and a penalty.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+  to_local: Callable[[Params], jax.Array]
+  penalty: Callable[[Params], jax.Array]
+
+
+def _rotation_problem() -> _Problem:
+  """params: `[J, 6]` 6D local rotations, root included."""
+  return _Problem(to_local=rotations.matrix_from_sixd, penalty=lambda params: 0.0)
+
+
+def _latent_problem(decode: Decode, decode_params: Params, config: SolverConfig) -> _Problem:
+  """params: `{'z': [L], 'root': [6]}`; non-root rotations from the decoder."""
+
+  def to_local(params):
+    root = rotations.matrix_from_sixd(params['root'])
+    return jnp.concatenate([root[None], decode(decode_params, params['z'])], axis=0)
+
+  return _Problem(to_local=to_local, penalty=lambda params: config.w_z * jnp.sum(params['z']**2))
+
+
+def _frame_loss(params: Params, target: jax.Array, offsets: jax.Array, problem: _Problem,
+                rig: Rig, config: SolverConfig) -> jax.Array:
+  """One frame: `target, offsets: [J, 3]` -> scalar loss (root translation from the target)."""
+  _, p = kinematics.forward_kinematics(problem.to_local(params), offsets, rig.parents,
+                                       root_pos=target[0])
+  return config.w_data * jnp.sum((p - target)**2) + problem.penalty(params)
+
+
+def _frame_loss_fn(problem: _Problem, target: jax.Array, offsets: jax.Array, rig: Rig,
+                   config: SolverConfig) -> Callable[[Params], jax.Array]:
+  return functools.partial(_frame_loss, target=target, offsets=offsets, problem=problem,
+                           rig=rig, config=config)
+
+
+def _solve_frame(problem: _Problem, params0: Params, target: jax.Array, offsets: jax.Array,
+                 iters: int, rig: Rig, config: SolverConfig) -> tuple[Params, jax.Array]:
+  return _optimize(_frame_loss_fn(problem, target, offsets, rig, config), params0, iters, config)
+
+
+def _initial_root(positions: jax.Array, offsets: jax.Array, rig: Rig,
+                  config: SolverConfig) -> jax.Array:
+  """`[..., J, 3]` -> initial root rotation `[..., 3, 3]` per `config.init_root`."""
+  if config.init_root == 'analytic':
+    return root_rotation(positions, offsets, rig)
+  return jnp.broadcast_to(jnp.eye(3, dtype=positions.dtype), positions.shape[:-2] + (3, 3))
+
+
+def _rotation_init(positions, offsets, rig, config, init_local=None) -> Params:
+  """`[..., J, 3]` -> `[..., J, 6]`: rest pose with the configured root, or `init_local`."""
+  if init_local is None:
+    root = _initial_root(positions, offsets, rig, config)
+    init_local = jnp.broadcast_to(jnp.eye(3, dtype=root.dtype), positions.shape + (3,))
+    init_local = init_local.at[..., 0, :, :].set(root)
+  return rotations.sixd_from_matrix(init_local)
+
+
+def _latent_init(positions, offsets, rig, config, latent_dim: int) -> Params:
+  """`[..., J, 3]` -> `{'z': [..., L] zeros, 'root': [..., 6]}`."""
+  root = _initial_root(positions, offsets, rig, config)
+  return {'z': jnp.zeros(positions.shape[:-2] + (latent_dim,), positions.dtype),
+          'root': rotations.sixd_from_matrix(root)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Batched drivers: cold start over frames, warm start over windows of a clip.
+
+
+def _solve_cold(problem: _Problem, params0: Params, positions: jax.Array, offsets: jax.Array,
+                rig: Rig, config: SolverConfig) -> tuple[jax.Array, jax.Array]:
+  """Independent frames: `positions [N, J, 3]`, `offsets [N, J, 3] | [J, 3]`, `params0` with a
+  leading N axis -> `(local [N, J, 3, 3], trace [N, iters + 1])`."""
+
+  def one(p0, target, off):
+    params, trace = _solve_frame(problem, p0, target, off, config.iters, rig, config)
+    return problem.to_local(params), trace
+
+  # in_axes: params0 and targets per frame; offsets per frame or shared by the whole batch.
+  return jax.vmap(one, in_axes=(0, 0, 0 if offsets.ndim == 3 else None))(
+      params0, positions, offsets)
+
+
+def _solve_windows(problem: _Problem, init_fn: Callable[[jax.Array], Params],
+                   positions: jax.Array, offsets: jax.Array, rig: Rig,
+                   config: SolverConfig) -> tuple[jax.Array, jax.Array]:
+  """A clip `positions [T, J, 3]` of one subject (`offsets [J, 3]`) in windows of
+  `config.window` frames (the last padded by repeating the final frame) ->
+  `(local [T, J, 3, 3], final_loss [T])`. Causal within a window."""
+  if offsets.ndim != 2:
+    raise ValueError(f'warm start solves one subject: offsets must be [J, 3], got {offsets.shape}')
+  T, J = positions.shape[:2]
+  W = config.window
+  n = math.ceil(T / W)
+  padded = jnp.concatenate([positions, jnp.repeat(positions[-1:], n * W - T, axis=0)])
+
+  def window(frames):  # [W, J, 3]
+    first, trace = _solve_frame(problem, init_fn(frames[0]), frames[0], offsets, config.iters,
+                                rig, config)
+
+    def next_frame(params, target):
+      params, trace = _solve_frame(problem, params, target, offsets, config.warm_iters, rig,
+                                   config)
+      return params, (params, trace[-1])
+
+    _, (rest, rest_loss) = jax.lax.scan(next_frame, first, frames[1:])
+    params = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
+    return jax.vmap(problem.to_local)(params), jnp.concatenate([trace[-1:], rest_loss])
+
+  # in_axes: one window of frames per solver; offsets are closed over (one subject).
+  local, final = jax.vmap(window)(padded.reshape(n, W, J, 3))
+  return local.reshape(n * W, J, 3, 3)[:T], final.reshape(n * W)[:T]
+
+
+def solve_rotations(positions: jax.Array, offsets: jax.Array, rig: Rig, config: SolverConfig,
+                    init_local: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Iterative IK without a prior, cold start per frame.
+
+  Args:
+    positions: `[N, J, 3]` target world joint positions (metres).
+    offsets: `[N, J, 3]` or `[J, 3]` rest offsets.
+    rig, config: static.
+    init_local: optional `[N, J, 3, 3]` initial local rotations (default: rest pose with the
+      configured root).
+
+  Returns:
+    `(local_rot [N, J, 3, 3], loss_trace [N, config.iters + 1])`.
+  """
+  params0 = _rotation_init(positions, offsets, rig, config, init_local)
+  return _solve_cold(_rotation_problem(), params0, positions, offsets, rig, config)
+
+
+def solve_latent(positions: jax.Array, offsets: jax.Array, decode: Decode, decode_params: Params,
+                 rig: Rig, config: SolverConfig,
+                 latent_dim: int = 32) -> tuple[jax.Array, jax.Array]:
+  """Iterative IK with a prior, cold start per frame: optimise `(z [latent_dim], root 6D)`.
+
+  `decode(decode_params, z [latent_dim]) -> [J-1, 3, 3]` non-root local rotations. Shapes and
+  returns as `solve_rotations`.
+  """
+  params0 = _latent_init(positions, offsets, rig, config, latent_dim)
+  problem = _latent_problem(decode, decode_params, config)
+  return _solve_cold(problem, params0, positions, offsets, rig, config)
+
+
+def solve_rotations_warm(positions: jax.Array, offsets: jax.Array, rig: Rig,
+                         config: SolverConfig) -> tuple[jax.Array, jax.Array]:
+  """`solve_rotations` with warm start over windows of a clip `positions: [T, J, 3]`,
+  `offsets: [J, 3]` -> `(local_rot [T, J, 3, 3], final_loss [T])`."""
+  init_fn = lambda target: _rotation_init(target, offsets, rig, config)
+  return _solve_windows(_rotation_problem(), init_fn, positions, offsets, rig, config)
+
+
+def solve_latent_warm(positions: jax.Array, offsets: jax.Array, decode: Decode,
+                      decode_params: Params, rig: Rig, config: SolverConfig,
+                      latent_dim: int = 32) -> tuple[jax.Array, jax.Array]:
+  """`solve_latent` with warm start over windows of a clip; returns as `solve_rotations_warm`."""
+  init_fn = lambda target: _latent_init(target, offsets, rig, config, latent_dim)
+  problem = _latent_problem(decode, decode_params, config)
+  return _solve_windows(problem, init_fn, positions, offsets, rig, config)
+
+
+# Entry points.
+swing_ik_jit = jax.jit(swing_ik, static_argnames='rig')
+mean_pose_ik_jit = jax.jit(mean_pose_ik, static_argnames='rig')
+solve_rotations_jit = jax.jit(solve_rotations, static_argnames=('rig', 'config'))
+solve_latent_jit = jax.jit(solve_latent, static_argnames=('decode', 'rig', 'config',
+                                                          'latent_dim'))
+solve_rotations_warm_jit = jax.jit(solve_rotations_warm, static_argnames=('rig', 'config'))
+solve_latent_warm_jit = jax.jit(solve_latent_warm, static_argnames=('decode', 'rig', 'config',
+                                                                    'latent_dim'))
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOPs.
+
+
+def flops_per_frame(fn: Callable, *example_args, num_frames: int | None = None) -> float:
+  """XLA's FLOP estimate of `fn(*example_args)`, compiled, divided by the number of frames.
+
+  `num_frames` defaults to the leading axis of the first argument. Loop bodies (`lax.scan`,
+  `while_loop`) are counted once by XLA whatever their trip count; see `solver_flops_per_frame`.
+  Returns NaN where the backend gives no estimate.
+  """
+  cost = jax.jit(fn).lower(*example_args).compile().cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+    cost = cost[0] if cost else None
+  if not cost or 'flops' not in cost:
+    return float('nan')
+  if num_frames is None:
+    num_frames = int(jnp.shape(example_args[0])[0]) if jnp.ndim(example_args[0]) else 1
+  return float(cost['flops']) / num_frames
+
+
+def solver_flops_per_frame(positions: jax.Array, offsets: jax.Array, rig: Rig,
+                           config: SolverConfig, decode: Decode | None = None,
+                           decode_params: Params = None, latent_dim: int = 32) -> float:
+  """FLOPs per frame of a cold-start solve: one iteration (value, gradient, update), measured
+  on `positions [N, J, 3]`, times `config.iters` (initialisation excluded). For L-BFGS the
+  line search is a loop, so this counts one of its evaluations."""
+  if decode is None:
+    problem = _rotation_problem()
+    params0 = _rotation_init(positions, offsets, rig, config)
+  else:
+    problem = _latent_problem(decode, decode_params, config)
+    params0 = _latent_init(positions, offsets, rig, config, latent_dim)
+  opt = _optimizer(config, config.iters)
+
+  def one_iteration(params0, positions, offsets):
+    def one(p0, target, off):
+      step = _make_step(_frame_loss_fn(problem, target, off, rig, config), opt, config)
+      return step((p0, opt.init(p0)), None)[0][0]
+    # in_axes: as `_solve_cold`.
+    return jax.vmap(one, in_axes=(0, 0, 0 if offsets.ndim == 3 else None))(
+        params0, positions, offsets)
+
+  per_iter = flops_per_frame(one_iteration, params0, positions, offsets,
+                             num_frames=positions.shape[0])
+  return per_iter * config.iters
