@@ -59,3 +59,31 @@ def all_subject_shards(cmu_dir, tmp_path_factory):
   for name in ONE_FILE_PER_SUBJECT:
     conversion.convert(cmu_dir / f'{name}.bvh', 'cmu_body', out, split='all', log=_quiet)
   return out
+
+
+@pytest.fixture(scope='session')
+def tiny_ikgat_run(cmu_shards, tmp_path_factory):
+  """A tiny IK-GAT trained for 20 steps on `cmu_shards` (a run directory)."""
+  from experiments.configs import test as test_config
+  from ik_gat_jax import train
+  c = test_config.get_config()
+  c.data = str(cmu_shards)
+  workdir = tmp_path_factory.mktemp('tiny_ikgat')
+  train.train_and_evaluate(c, workdir, log=_quiet)
+  return workdir
+
+
+@pytest.fixture(scope='session')
+def tiny_prior_run(cmu_shards, tmp_path_factory):
+  """A small pose prior (latent 8, width 64) trained for 20 steps on `cmu_shards`."""
+  from experiments.configs import prior as prior_config
+  from ik_gat_jax import data, prior_task, train
+  c = prior_config.get_config()
+  c.data = str(cmu_shards)
+  c.model.update(latent=8, hidden=64)
+  c.train.update(steps=20, batch_size=32, warmup_steps=5, log_every=10, eval_every=10,
+                 checkpoint_every=10, val_frames=128, eval_batch_size=128)
+  c.prior_stats = prior_task.standardization_config(data.load_shards(cmu_shards, 'train'))
+  workdir = tmp_path_factory.mktemp('tiny_prior')
+  train.train_and_evaluate(c, workdir, task=prior_task.PRIOR_TASK, log=_quiet)
+  return workdir

@@ -1,0 +1,74 @@
+"""Evaluate one method on a shard split (DESIGN section 9).
+
+  python -m experiments.evaluate --data=DIR --split=test \
+      --method=ikgat|iterative|iterative_noprior|swing|mean_pose [--checkpoint=DIR] [--prior=DIR] \
+      [--iters=N] [--warm_start] [--noise_mm=S] [--max_frames=N] --output_json=FILE
+
+Prints a markdown table (overall and per test part) and writes one JSON object (fields of DESIGN
+section 9 plus per_subject, per_file, per_part, settings, provenance). Without --checkpoint /
+--prior the shipped checkpoints under checkpoints/ are used.
+"""
+
+import json
+import os
+from pathlib import Path
+
+from absl import app, flags
+
+from experiments.common import fail_on_user_error
+
+_DATA = flags.DEFINE_string('data', None, 'Shard directory.')
+_SPLIT = flags.DEFINE_string('split', 'test', 'Split to evaluate.')
+_METHOD = flags.DEFINE_enum('method', None, ['ikgat', 'iterative', 'iterative_noprior', 'swing',
+                                             'mean_pose'], 'Method.')
+_CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'IK-GAT run or checkpoint directory.')
+_PRIOR = flags.DEFINE_string('prior', None, 'Pose-prior run or checkpoint directory.')
+_ITERS = flags.DEFINE_integer('iters', 100, 'Iterations per frame (iterative methods; cold).')
+_WARM_ITERS = flags.DEFINE_integer('warm_iters', None, 'Iterations of warm-started frames.')
+_WINDOW = flags.DEFINE_integer('window', None, 'Warm-start window length (frames).')
+_LR = flags.DEFINE_float('lr', None, 'Solver learning rate (default: SolverConfig).')
+_W_Z = flags.DEFINE_float('w_z', None, 'Latent penalty weight.')
+_INIT_ROOT = flags.DEFINE_enum('init_root', 'analytic', ['analytic', 'identity'],
+                               'Cold-start root rotation.')
+_OPTIMIZER = flags.DEFINE_enum('optimizer', 'adam', ['adam', 'lbfgs'], 'Solver optimizer.')
+_WARM = flags.DEFINE_boolean('warm_start', False, 'Warm start over windows of each clip.')
+_NOISE = flags.DEFINE_float('noise_mm', 0.0, 'Gaussian input noise per coordinate (mm).')
+_MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate at most this many frames.')
+_BATCH = flags.DEFINE_integer('batch_size', None, 'Frames per solver call.')
+_SEED = flags.DEFINE_integer('seed', 0, 'Noise seed.')
+_OUTPUT = flags.DEFINE_string('output_json', None, 'Result file (written atomically).')
+flags.mark_flags_as_required(['data', 'method', 'output_json'])
+
+
+def solver_config():
+  from ik_gat_jax import iterative_ik
+  overrides = {'iters': _ITERS.value, 'init_root': _INIT_ROOT.value,
+               'optimizer': _OPTIMIZER.value, 'warm_iters': _WARM_ITERS.value,
+               'window': _WINDOW.value, 'lr': _LR.value, 'w_z': _W_Z.value}
+  return iterative_ik.SolverConfig(**{k: v for k, v in overrides.items() if v is not None})
+
+
+@fail_on_user_error
+def main(argv):
+  del argv
+  from ik_gat_jax import data, evaluation
+  out = Path(_OUTPUT.value)
+  if out.parent and not out.parent.exists():
+    raise FileNotFoundError(f'output directory {out.parent} does not exist')
+  ds = data.load_shards(_DATA.value, _SPLIT.value)
+  train_data = (data.load_shards(_DATA.value, 'train') if _METHOD.value == 'mean_pose' else None)
+  method = evaluation.make_method(_METHOD.value, ds.rig, train_data=train_data,
+                                  checkpoint=_CHECKPOINT.value, prior=_PRIOR.value,
+                                  solver=solver_config(), warm_start=_WARM.value,
+                                  chunk=_BATCH.value)
+  result = evaluation.evaluate(method, ds, ds.rig, max_frames=_MAX_FRAMES.value,
+                               noise_mm=_NOISE.value, seed=_SEED.value)
+  print(evaluation.markdown_table(result))
+  tmp = out.with_name(out.name + '.tmp')
+  tmp.write_text(json.dumps(result, indent=1))
+  os.replace(tmp, out)
+  print(f'wrote {out}')
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,243 @@
+"""Evaluation of every method on a shard split, with the one metrics module (DESIGN section 7).
+
+A *method* is a function `solve(positions [N, J, 3], offsets [N, J, 3], file_ids [N]) -> local
+rotations [N, J, 3, 3]` built by `make_method`; `evaluate` feeds it fixed-size chunks (one
+compile, excluded from the timing), scores the result against the clean truth and returns the
+JSON object of DESIGN section 9 (plus per-subject, per-file and per-test-part tables).
+
+Frame selection (`max_frames`): every file of the split contributes its first
+`ceil(max_frames * frames_f / total)` frames, so subjects keep their proportions and each file's
+frames stay contiguous (warm starts need clips). Noise: i.i.d. Gaussian per coordinate, sigma in
+mm, added to the input positions before anything else (seeded); errors are against clean
+positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ik_gat_jax import iterative_ik
+from ik_gat_jax import metrics
+from ik_gat_jax import provenance
+from ik_gat_jax import train
+from ik_gat_jax.skeleton import Rig
+
+METHODS = ('ikgat', 'iterative', 'iterative_noprior', 'swing', 'mean_pose')
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_IKGAT = REPO / 'checkpoints' / 'ikgat_base'
+SHIPPED_PRIOR = REPO / 'checkpoints' / 'prior'
+
+Solve = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclasses.dataclass
+class Method:
+  """A method ready to run: `solve(positions, offsets)` on one chunk (jitted), and whether it
+  needs whole clips in order (warm start) rather than independent frames."""
+  name: str
+  solve: Solve
+  chunk: int
+  info: dict = dataclasses.field(default_factory=dict)
+  clip_solve: Callable | None = None  # (positions [T,J,3], offsets [J,3]) -> [T,J,3,3]
+
+
+def select_frames(data, max_frames: int | None) -> np.ndarray:
+  """Indices into the split (module docstring); all frames when `max_frames` is None/0."""
+  n = len(data.positions)
+  if not max_frames or max_frames >= n:
+    return np.arange(n)
+  file_id = np.asarray(data.file_id)
+  out = []
+  for f in np.unique(file_id):
+    rows = np.flatnonzero(file_id == f)
+    out.append(rows[:math.ceil(max_frames * len(rows) / n)])
+  return np.concatenate(out)
+
+
+def add_noise(positions: np.ndarray, noise_mm: float, seed: int) -> np.ndarray:
+  if noise_mm <= 0:
+    return positions
+  rng = np.random.default_rng(seed)
+  return positions + rng.normal(scale=noise_mm * 1e-3, size=positions.shape).astype(np.float32)
+
+
+def run_chunked(solve: Solve, positions: np.ndarray, offsets: np.ndarray,
+                chunk: int) -> tuple[np.ndarray, float, float]:
+  """`solve` over fixed-size chunks (last padded). Returns (output, seconds, compile seconds);
+  the first call compiles and is excluded from `seconds`."""
+  n = len(positions)
+  chunk = min(chunk, n)
+  pad = -n % chunk
+  P = np.concatenate([positions, np.repeat(positions[-1:], pad, 0)])
+  O = np.concatenate([offsets, np.repeat(offsets[-1:], pad, 0)])
+  t = time.perf_counter()
+  jax.block_until_ready(solve(P[:chunk], O[:chunk]))
+  compile_s = time.perf_counter() - t
+  outs = []
+  t = time.perf_counter()
+  for s in range(0, len(P), chunk):
+    outs.append(solve(P[s:s + chunk], O[s:s + chunk]))
+  out = np.concatenate([np.asarray(o) for o in jax.block_until_ready(outs)])[:n]
+  return out, time.perf_counter() - t, compile_s
+
+
+def _bucket(n: int, window: int) -> int:
+  """Clip length padded to a power-of-two number of windows (few distinct compiled shapes)."""
+  return window * (1 << max(math.ceil(n / window) - 1, 0).bit_length())
+
+
+def run_clips(method: Method, positions: np.ndarray, offsets: np.ndarray,
+              file_ids: np.ndarray) -> tuple[np.ndarray, float, float]:
+  """Warm-start methods: each file's frames in order as one clip (offsets of its subject),
+  padded to a bucketed length; the first clip of each bucket also runs once untimed (compile)."""
+  out = np.zeros(positions.shape[:2] + (3, 3), np.float32)
+  window = method.info['solver']['window']
+  seconds = compile_s = 0.0
+  compiled: set[int] = set()
+  for f in np.unique(file_ids):
+    rows = np.flatnonzero(file_ids == f)
+    L = _bucket(len(rows), window)
+    clip = np.concatenate([positions[rows], np.repeat(positions[rows[-1:]], L - len(rows), 0)])
+    args = (clip, offsets[rows[0]])
+    if L not in compiled:
+      t = time.perf_counter()
+      jax.block_until_ready(method.clip_solve(*args))
+      compile_s += time.perf_counter() - t
+      compiled.add(L)
+    t = time.perf_counter()
+    out[rows] = np.asarray(jax.block_until_ready(method.clip_solve(*args)))[:len(rows)]
+    seconds += time.perf_counter() - t
+  return out, seconds, compile_s
+
+
+def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
+             noise_mm: float = 0.0, seed: int = 0) -> dict:
+  """Runs `method` on `data` (a `data.Dataset`) and returns the result JSON object."""
+  idx = select_frames(data, max_frames)
+  batch = {k: np.asarray(v) for k, v in
+           train.input_pipeline.gather_batch(data, idx).items()}
+  file_ids = np.asarray(data.file_id[idx])
+  noisy = add_noise(batch['positions'], noise_mm, seed)
+  if method.clip_solve is not None:
+    pred, seconds, compile_s = run_clips(method, noisy, batch['offsets'], file_ids)
+  else:
+    pred, seconds, compile_s = run_chunked(method.solve, noisy, batch['offsets'], method.chunk)
+  errors = metrics.compute_errors_batched(pred, batch['local_rot'], batch['offsets'],
+                                          batch['bone_frames'], batch['positions'], rig)
+  result = {'method': method.name, 'split': data.split, **metrics.summarize(errors, rig)}
+  result.update(seconds=seconds, compile_seconds=compile_s,
+                frames_per_s=len(idx) / max(seconds, 1e-9), noise_mm=noise_mm,
+                settings=method.info)
+  subject_names = [s['name'] for s in data.subjects]
+  file_names = [f['file'] for f in data.files]
+  result['per_subject'] = metrics.summarize_by(errors, np.asarray(data.subject_id[idx]),
+                                               subject_names, rig)
+  result['per_file'] = metrics.summarize_by(errors, file_ids, file_names, rig)
+  parts = np.asarray([data.files[f].get('part') or data.split for f in file_ids])
+  part_names = sorted(set(parts))
+  result['per_part'] = metrics.summarize_by(errors, np.searchsorted(part_names, parts),
+                                            part_names, rig)
+  result['provenance'] = provenance.provenance(
+      rig_hash=rig.fingerprint(), **train.data_provenance(data))
+  return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Methods.
+
+
+def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024) -> Method:
+  path = Path(checkpoint) if checkpoint else SHIPPED_IKGAT
+  model, meta = train.load_model(path, expected_rig=rig)
+  B_of = _bone_frames_fn(rig)
+
+  @jax.jit
+  def solve(positions, offsets):
+    return train.ikgat_infer(model, {'positions': positions, 'bone_frames': B_of(offsets)})
+
+  return Method('ikgat', solve, chunk, {'checkpoint': str(path), 'model': meta['config']['model'],
+                                        'trained_steps': meta.get('step')})
+
+
+def _bone_frames_fn(rig: Rig):
+  from ik_gat_jax import bone_frames
+  return lambda offsets: bone_frames.bone_frames(offsets, rig)
+
+
+def swing_method(rig: Rig, chunk: int = 4096) -> Method:
+  return Method('swing', jax.jit(lambda p, o: iterative_ik.swing_ik(p, o, rig)), chunk)
+
+
+def mean_pose_method(train_data, rig: Rig, chunk: int = 4096) -> Method:
+  mean_local = iterative_ik.mean_pose(jnp.asarray(train_data.local_rot, jnp.float32))
+  solve = jax.jit(lambda p, o: iterative_ik.mean_pose_ik(p, o, mean_local, rig))
+  return Method('mean_pose', solve, chunk, {'train_frames': len(train_data.local_rot)})
+
+
+def iterative_method(rig: Rig, config: iterative_ik.SolverConfig, prior_dir: str | Path | None,
+                     use_prior: bool, warm_start: bool, chunk: int = 1024) -> Method:
+  info = {'solver': dataclasses.asdict(config), 'warm_start': warm_start}
+  if use_prior:
+    from ik_gat_jax import prior_task, vposer
+    path = Path(prior_dir) if prior_dir else SHIPPED_PRIOR
+    prior, _ = train.load_model(path, task=prior_task.PRIOR_TASK, expected_rig=rig)
+    decode, params = vposer.decoder(prior)
+    latent = prior.config.latent
+    info['prior'] = str(path)
+    cold = lambda p, o: iterative_ik.solve_latent_jit(p, o, decode, params, rig, config,
+                                                       latent)[0]
+    warm = lambda p, o: iterative_ik.solve_latent_warm_jit(p, o, decode, params, rig, config,
+                                                            latent)[0]
+    name = 'iterative'
+  else:
+    cold = lambda p, o: iterative_ik.solve_rotations_jit(p, o, rig, config)[0]
+    warm = lambda p, o: iterative_ik.solve_rotations_warm_jit(p, o, rig, config)[0]
+    name = 'iterative_noprior'
+  return Method(name, cold, chunk, info, clip_solve=warm if warm_start else None)
+
+
+def make_method(name: str, rig: Rig, *, train_data=None, checkpoint=None, prior=None,
+                solver: iterative_ik.SolverConfig | None = None, warm_start: bool = False,
+                chunk: int | None = None) -> Method:
+  """The method `name` (one of `METHODS`) for `rig`."""
+  kw = {'chunk': chunk} if chunk else {}
+  if name == 'ikgat':
+    return ikgat_method(checkpoint, rig, **kw)
+  if name == 'swing':
+    return swing_method(rig, **kw)
+  if name == 'mean_pose':
+    if train_data is None:
+      raise ValueError('mean_pose needs the training split (its mean pose)')
+    return mean_pose_method(train_data, rig, **kw)
+  if name in ('iterative', 'iterative_noprior'):
+    return iterative_method(rig, solver or iterative_ik.SolverConfig(), prior,
+                            use_prior=name == 'iterative', warm_start=warm_start, **kw)
+  raise ValueError(f'unknown method {name!r}; choose from {", ".join(METHODS)}')
+
+
+def markdown_row(r: dict, label: str | None = None) -> str:
+  return (f"| {label or r['method']} | {r['frames']} | {r['local_rot_err_deg']:.2f} | "
+          f"{r['root_rot_err_deg']:.2f} | {r['global_rot_err_deg']:.2f} | "
+          f"{r['twist_err_deg']:.2f} | {r['swing_err_deg']:.2f} | {r['mpjpe_mm']:.2f} |")
+
+
+MARKDOWN_HEADER = ('| method | frames | local (deg) | root (deg) | global (deg) | twist (deg) | '
+                   'swing (deg) | MPJPE (mm) |\n|---|---:|---:|---:|---:|---:|---:|---:|')
+
+
+def markdown_table(result: dict) -> str:
+  lines = [MARKDOWN_HEADER, markdown_row(result)]
+  for part, r in result.get('per_part', {}).items():
+    lines.append(markdown_row(r, f"{result['method']} ({part})"))
+  lines.append(f"\n{result['frames']} frames in {result['seconds']:.2f} s: "
+               f"{result['frames_per_s']:,.0f} frames/s (compile {result['compile_seconds']:.1f} s "
+               'excluded)')
+  return '\n'.join(lines)

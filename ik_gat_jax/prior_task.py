@@ -1,0 +1,88 @@
+"""The VPoser-style pose prior as a `train.Task`: the same trainer, its own model, loss, metrics.
+
+The prior's input standardisation (fixed, not trained: DESIGN section 6) is part of the model's
+definition, so it lives in the config (`config.prior_stats`, computed from the training split by
+`standardization_config`) and a checkpoint rebuilds the identical model without the data.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ik_gat_jax import input_pipeline
+from ik_gat_jax import metrics
+from ik_gat_jax import train
+from ik_gat_jax import vposer
+from ik_gat_jax.skeleton import Rig
+
+
+def standardization_config(train_data, max_frames: int = 50_000) -> dict:
+  """`{'mean': [...], 'std': [...]}` of the non-root 6D rotations of (a subset of) the split."""
+  idx = train.eval_indices(len(train_data.local_rot), max_frames)
+  mean, std = vposer.standardization_stats(np.asarray(train_data.local_rot[idx]))
+  return {'mean': list(mean), 'std': list(std)}
+
+
+def _build(config, rig: Rig, rngs, train_data):
+  stats = config.get('prior_stats')
+  if not stats and train_data is not None:
+    stats = standardization_config(train_data)
+  return vposer.PosePrior(vposer.VAEConfig.from_dict(config.model), rig.num_joints,
+                          input_mean=stats['mean'] if stats else None,
+                          input_std=stats['std'] if stats else None, rngs=rngs)
+
+
+def _loss(model, batch, key, config, rig):
+  k_aug, k_vae = jax.random.split(key)
+  batch = input_pipeline.augment(batch, k_aug, config.augment, rig)
+  return vposer.vae_loss(model, batch, k_vae, model.config, rig)
+
+
+def reconstruct(model: vposer.PosePrior, batch: dict, config=None, rig=None) -> jax.Array:
+  """Deterministic reconstruction through the mean latent; the root rotation from the truth."""
+  del config, rig
+  mu, _ = model.encode(batch['local_rot'])
+  return jnp.concatenate([batch['local_rot'][..., :1, :, :], model.decode(mu)], axis=-3)
+
+
+def _validate(predict, data, config, rig: Rig) -> dict:
+  """Reconstruction errors (deg, mm) of the val split, with the metrics module."""
+  return train.validate_local_rotations(predict, data, config, rig)
+
+
+PRIOR_TASK = train.Task(name='pose_prior', build=_build, loss=_loss, infer=reconstruct,
+                        validate=_validate, best_metric='local_rot_err_deg')
+
+
+def latent_statistics(model: vposer.PosePrior, data, max_frames: int = 8192,
+                      chunk: int = 2048) -> dict:
+  """Active latent dimensions (KL per dimension > 0.01) and mean KL over `data`."""
+  idx = train.eval_indices(len(data.local_rot), max_frames)
+  rot = np.asarray(data.local_rot[idx], np.float32)
+  encode = jax.jit(model.encode)
+  mus, logvars = zip(*(encode(rot[i:i + chunk]) for i in range(0, len(rot), chunk)))
+  mu, logvar = jnp.concatenate(mus), jnp.concatenate(logvars)
+  kl = np.asarray(jnp.mean(vposer.kl_per_dim(mu, logvar), axis=0))
+  return {'active_dims': int(vposer.active_dims(mu, logvar)), 'latent': int(mu.shape[-1]),
+          'kl_per_dim': [float(x) for x in kl]}
+
+
+def evaluate_prior(model: vposer.PosePrior, train_data, val_data, rig: Rig, config,
+                   seed: int = 0) -> dict:
+  """What issue C asks to report: val reconstruction (deg, mm), active dimensions, and sample
+  realism (mean geodesic distance, degrees, from 1,000 samples to their nearest training pose,
+  next to the same for val poses)."""
+  predict = jax.jit(lambda b: reconstruct(model, b))
+  recon = _validate(predict, val_data, config, rig)
+  idx = train.eval_indices(len(train_data.local_rot), 8192)
+  train_poses = jnp.asarray(train_data.local_rot[idx][:, 1:], jnp.float32)
+  vidx = train.eval_indices(len(val_data.local_rot), 1000)
+  val_poses = jnp.asarray(val_data.local_rot[vidx][:, 1:], jnp.float32)
+  realism = vposer.sample_realism(model, jax.random.key(seed), train_poses, n=1000)
+  val_ref = jnp.degrees(jnp.mean(vposer._nearest_mean_geodesic(  # pylint: disable=protected-access
+      val_poses, train_poses, 1024)))
+  return {'val_reconstruction': recon, **latent_statistics(model, val_data),
+          'sample_to_nearest_train_deg': float(realism),
+          'val_to_nearest_train_deg': float(val_ref)}
