@@ -11,6 +11,7 @@ section 9 plus per_subject, per_file, per_part, settings, provenance). Without -
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from absl import app, flags
@@ -63,6 +64,7 @@ def main(argv):
                                   chunk=_BATCH.value)
   result = evaluation.evaluate(method, ds, ds.rig, max_frames=_MAX_FRAMES.value,
                                noise_mm=_NOISE.value, seed=_SEED.value)
+  result['command'] = ' '.join(['python -m experiments.evaluate'] + sys.argv[1:])
   print(evaluation.markdown_table(result))
   tmp = out.with_name(out.name + '.tmp')
   tmp.write_text(json.dumps(result, indent=1))
