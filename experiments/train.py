@@ -2,8 +2,13 @@
 
   python -m experiments.train --data=DIR --workdir=DIR [--steps=N] [--size=tiny|small|base|large]
       [--config=experiments/configs/default.py] [--config.train.lr=3e-4 ...]
+      [--distributed | --nodistributed]
 
-Rerunning with the same --workdir resumes from its latest checkpoint.
+Rerunning with the same --workdir resumes from its latest checkpoint (on any number of devices).
+Training uses every device it sees (the batch split over them, DESIGN section 8). On several
+hosts run the same command on each: --distributed starts `jax.distributed` (by default it starts
+when a launcher's environment is present: JAX_COORDINATOR_ADDRESS with JAX_NUM_PROCESSES and
+JAX_PROCESS_ID, SLURM or Open MPI with several tasks, a multi-host Cloud TPU).
 """
 
 import sys
@@ -19,6 +24,9 @@ _DATA = flags.DEFINE_string('data', None, 'Shard directory (from data_prep.bvh_t
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory; an existing one is resumed.')
 _STEPS = flags.DEFINE_integer('steps', None, 'Training steps (overrides the config).')
 _SIZE = flags.DEFINE_enum('size', None, ['tiny', 'small', 'base', 'large'], 'Model size.')
+_DISTRIBUTED = flags.DEFINE_bool(
+    'distributed', None, 'Start jax.distributed (several hosts); unset: only when a cluster '
+    "launcher's environment is present.")
 flags.mark_flags_as_required(['data', 'workdir'])
 
 
@@ -26,6 +34,7 @@ flags.mark_flags_as_required(['data', 'workdir'])
 def main(argv):
   del argv
   from ik_gat_jax import train
+  train.initialize_distributed({None: 'auto', True: 'on', False: 'off'}[_DISTRIBUTED.value])
   config = _CONFIG.value
   config.data = _DATA.value
   if _STEPS.value is not None:

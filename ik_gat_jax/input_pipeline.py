@@ -1,10 +1,18 @@
-"""Training input: a stateless batch order, host batching from memory-mapped shards, and the
-augmentations of DESIGN section 5 as pure, jittable functions.
+"""Training input: a stateless batch order, host batching from memory-mapped shards, a
+prefetching thread, and the augmentations of DESIGN section 5 as pure, jittable functions.
 
 The batch order is a function of `(seed, step)` only: epoch e is a permutation of all frames
-drawn from `np.random.default_rng([seed, e])`, and step s takes the next `batch_size` entries of
-the endless concatenation of epochs. Resuming at step s therefore yields exactly the batches an
-uninterrupted run would have seen, on any number of devices.
+of the split (across every shard file) drawn from `np.random.default_rng([seed, e])`, and step
+s takes the next `batch_size` entries of the endless concatenation of epochs. Resuming at step
+s therefore yields exactly the batches an uninterrupted run would have seen, on any number of
+devices or hosts.
+
+Several hosts (DESIGN section 8): the global batch of step s is `batch_indices(s, ...)`; host p
+of P reads only rows `process_rows(B, p, P)` of it from its memory maps, and the trainer
+assembles the global array with `jax.make_array_from_process_local_data`. Only the pages a host
+touches are read, so a split larger than RAM trains as well. Augmentation randomness is drawn
+for the logical global batch inside the jitted step, so it does not depend on the device or
+host count either.
 
 A batch is a dict of arrays, leading axis B:
   positions [B, J, 3] world positions (m), local_rot [B, J, 3, 3], offsets [B, J, 3] (the
@@ -13,7 +21,11 @@ A batch is a dict of arrays, leading axis B:
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import queue
+import threading
+import time
+from typing import Any, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +45,20 @@ def batch_indices(step: int, batch_size: int, num_examples: int, seed: int) -> n
   out = []
   while len(out) < batch_size:
     epoch, offset = divmod(start + len(out), num_examples)
-    perm = np.random.default_rng([seed, epoch]).permutation(num_examples)
+    perm = epoch_permutation(seed, epoch, num_examples)
     out.extend(perm[offset:offset + batch_size - len(out)].tolist())
   return np.asarray(out, dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
+  """The order `[num_examples]` of epoch `epoch`: a permutation of every frame of the split.
+
+  Cached (this epoch and the next), so a step costs O(batch), not O(frames), on a large split.
+  """
+  perm = np.random.default_rng([seed, epoch]).permutation(num_examples)
+  perm.flags.writeable = False
+  return perm
 
 
 def gather_batch(dataset: Any, idx: np.ndarray) -> dict[str, np.ndarray]:
@@ -55,6 +78,109 @@ def gather_batch(dataset: Any, idx: np.ndarray) -> dict[str, np.ndarray]:
       'offsets': np.asarray(dataset.offsets, np.float32)[subj],
       'bone_frames': np.asarray(dataset.bone_frames, np.float32)[subj],
   }
+
+
+def process_rows(global_batch_size: int, process_index: int, process_count: int) -> slice:
+  """Rows `[p*B/P, (p+1)*B/P)` of a global batch of `B` that process `p` of `P` reads."""
+  if global_batch_size % process_count:
+    raise ValueError(f'batch size {global_batch_size} is not divisible by the {process_count} '
+                     'processes; use a multiple of the process count')
+  per = global_batch_size // process_count
+  return slice(process_index * per, (process_index + 1) * per)
+
+
+def host_batches(dataset: Any, global_batch_size: int, seed: int, start_step: int,
+                 end_step: int, process_index: int = 0, process_count: int = 1
+                 ) -> Iterator[tuple[int, np.ndarray, dict[str, np.ndarray]]]:
+  """This process's part of the batches of steps `[start_step, end_step)`, in step order.
+
+  Yields `(step, idx [B/P], batch)`: `idx` are the frame indices of this process's rows of the
+  global batch of `step` and `batch` is `gather_batch(dataset, idx)` (leading axis B/P).
+  """
+  rows = process_rows(global_batch_size, process_index, process_count)
+  for step in range(start_step, end_step):
+    idx = batch_indices(step, global_batch_size, len(dataset.positions), seed)[rows]
+    yield step, idx, gather_batch(dataset, idx)
+
+
+_END = object()
+
+
+class _Failure:
+  def __init__(self, error: BaseException):
+    self.error = error
+
+
+class Prefetcher:
+  """Runs an iterator on a background thread, at most `depth` items ahead, in its order.
+
+  Use as a context manager (or call `close`): leaving it stops and joins the thread, also on an
+  exception or KeyboardInterrupt in the consumer. An exception raised by the iterator is
+  re-raised by `next` in the consumer. `busy_seconds` and `produced` count the thread's time
+  inside the iterator (not waiting on a full queue) and the items it made, so
+  `produced / busy_seconds` is the pipeline's own rate, whatever the consumer's speed.
+  """
+
+  def __init__(self, iterable: Iterable, depth: int = 2):
+    if depth < 1:
+      raise ValueError(f'prefetch depth must be at least 1, got {depth}')
+    self._queue: queue.Queue = queue.Queue(maxsize=depth)
+    self._stop = threading.Event()
+    self.busy_seconds = 0.0
+    self.produced = 0
+    self._thread = threading.Thread(target=self._work, args=(iter(iterable),),
+                                    name='prefetch', daemon=True)
+    self._thread.start()
+
+  def _work(self, iterator: Iterator) -> None:
+    try:
+      while not self._stop.is_set():
+        t = time.perf_counter()
+        try:
+          item = next(iterator)
+        except StopIteration:
+          break
+        self.busy_seconds += time.perf_counter() - t
+        self.produced += 1
+        if not self._put(item):
+          return
+    except BaseException as e:  # handed to the consumer, which re-raises it
+      self._put(_Failure(e))
+      return
+    self._put(_END)
+
+  def _put(self, item) -> bool:
+    while not self._stop.is_set():
+      try:
+        self._queue.put(item, timeout=0.05)
+        return True
+      except queue.Full:
+        continue
+    return False
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    item = self._queue.get()
+    if item is _END:
+      self._queue.put(_END)  # later calls stop too
+      raise StopIteration
+    if isinstance(item, _Failure):
+      self._queue.put(item)
+      raise item.error
+    return item
+
+  def close(self) -> None:
+    """Stops the thread (it finishes the item in hand) and waits for it."""
+    self._stop.set()
+    self._thread.join(timeout=60)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,11 +5,16 @@ A model family plugs in as a `Task` (its model, per-example loss, validation met
 - optax AdamW with linear warm-up and cosine decay, global-norm clipping;
 - a jitted step that donates its state, per-step RNG by `jax.random.fold_in(seed_key, step)`;
 - the stateless batch order of `input_pipeline.batch_indices`, so a resumed run sees exactly
-  the batches of an uninterrupted one;
-- periodic validation, live progress (step, loss, val error, frames/s, ETA), JSONL and
-  TensorBoard logs, a run manifest (`run.json`);
+  the batches of an uninterrupted one, read from the memory-mapped shards on a prefetch thread;
+- data parallelism (DESIGN section 8): a 1-D device mesh (axis 'data'), the global batch
+  sharded along it, parameters and optimizer state replicated; the same code runs on one CPU,
+  one GPU, N devices or several hosts (`initialize_distributed`, each host reading its own rows
+  of the global batch). Results do not depend on the device count up to float summation order;
+- periodic validation, live progress (step, loss, val error, train and input-pipeline
+  frames/s, ETA), JSONL and TensorBoard logs, a run manifest (`run.json`), written by process 0;
 - orbax checkpoints: `checkpoints/latest` (full state, for resuming) and `checkpoints/best`
-  (parameters only, best validation metric), each carrying config, rig, metrics, provenance.
+  (parameters only, best validation metric), each carrying config, rig, metrics, provenance;
+  restored onto the current mesh, so a run saved on 8 devices resumes on 1.
 Library code never reads flags: `experiments/train.py` parses them and calls
 `train_and_evaluate(config, workdir)`.
 """
@@ -23,7 +28,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +36,7 @@ import ml_collections
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ik_gat_jax import checkpointing
 from ik_gat_jax import data as data_lib
@@ -102,6 +108,110 @@ IKGAT_TASK = Task(name='ikgat', build=_ikgat_build, loss=_ikgat_loss, infer=ikga
 
 
 # ----------------------------------------------------------------------------------------------
+# Devices, hosts and shardings (DESIGN section 8).
+
+
+def _cluster_launch(environ: Mapping[str, str]) -> str | None:
+  """The launcher whose environment says this is one process of several, or None."""
+  if environ.get('JAX_COORDINATOR_ADDRESS'):
+    return 'JAX_COORDINATOR_ADDRESS'
+  if int(environ.get('SLURM_NTASKS', '1')) > 1 and 'SLURM_JOB_ID' in environ:
+    return 'SLURM'
+  if int(environ.get('OMPI_COMM_WORLD_SIZE', '1')) > 1:
+    return 'Open MPI'
+  if ',' in environ.get('TPU_WORKER_HOSTNAMES', ''):
+    return 'multi-host Cloud TPU'
+  return None
+
+
+def initialize_distributed(mode: str = 'auto', environ: Mapping[str, str] = os.environ) -> bool:
+  """Starts `jax.distributed` for a run over several processes; call before any other JAX use.
+
+  mode: 'on' always, 'off' never, 'auto' when a launcher's environment is present
+  (`JAX_COORDINATOR_ADDRESS`; SLURM or Open MPI with more than one task; a Cloud TPU with several
+  worker hosts). With `JAX_COORDINATOR_ADDRESS` (host:port of process 0), `JAX_NUM_PROCESSES`
+  and `JAX_PROCESS_ID` give the process count and this process's index; otherwise JAX detects
+  them from the cluster (use 'on' on a TPU VM pod slice, which JAX detects from its metadata).
+  Returns whether it initialized.
+  """
+  if mode not in ('auto', 'on', 'off'):
+    raise ValueError(f"distributed must be 'auto', 'on' or 'off', got {mode!r}")
+  if mode == 'off' or (mode == 'auto' and _cluster_launch(environ) is None):
+    return False
+  kwargs = {}
+  if environ.get('JAX_COORDINATOR_ADDRESS') and environ.get('JAX_NUM_PROCESSES'):
+    kwargs = dict(coordinator_address=environ['JAX_COORDINATOR_ADDRESS'],
+                  num_processes=int(environ['JAX_NUM_PROCESSES']),
+                  process_id=int(environ['JAX_PROCESS_ID']))
+  jax.distributed.initialize(**kwargs)
+  return True
+
+
+def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A 1-D mesh, axis 'data', over `devices` (default: every device of every process)."""
+  return Mesh(np.asarray(jax.devices() if devices is None else list(devices)), ('data',))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """Every device holds the whole array (parameters, optimizer state, metrics)."""
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """The leading (batch) axis split over the mesh's 'data' axis."""
+  return NamedSharding(mesh, PartitionSpec('data'))
+
+
+def check_batch_size(batch_size: int, mesh: Mesh) -> None:
+  """A global batch must split evenly over the devices (and so over the processes)."""
+  if batch_size % mesh.size:
+    raise ValueError(f'batch size {batch_size} is not divisible by the {mesh.size} devices of '
+                     f'the mesh; use a multiple of {mesh.size}')
+
+
+def place_state(state: Any, mesh: Mesh) -> Any:
+  """The train state replicated over `mesh`; its arrays are this process's copies (equal on all
+  processes, e.g. built from the same seed), which go through the host once."""
+  return jax.tree.map(lambda x: _replicate(x, replicated(mesh)), state)
+
+
+def _replicate(x: Any, sharding: NamedSharding) -> jax.Array:
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed keys go as their raw key data
+    data = _replicate(jax.random.key_data(x), sharding)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+  # Not `jax.device_put`: with several processes it refuses committed single-device arrays.
+  return jax.make_array_from_process_local_data(sharding, np.asarray(x), np.shape(x))
+
+
+def to_global(batch: dict[str, np.ndarray], mesh: Mesh, global_rows: int) -> dict[str, jax.Array]:
+  """This process's host rows -> global arrays `[global_rows, ...]` sharded along 'data'.
+
+  Process p passes rows `input_pipeline.process_rows(global_rows, p, P)`; when
+  `len(batch) == global_rows` every process passes the same whole batch (validation).
+  """
+  sharding = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, v, (global_rows,) + v.shape[1:])
+          for k, v in batch.items()}
+
+
+def sharded_predict(predict: Callable, state: dict, mesh: Mesh) -> Callable[[dict], Any]:
+  """`predict(state, batch)` on a host batch every process holds whole, sharded over `mesh`.
+
+  Pads the batch to a multiple of the device count and returns host arrays of its own length.
+  """
+
+  def run(batch: dict) -> Any:
+    n = len(next(iter(batch.values())))
+    pad = -n % mesh.size
+    if pad:
+      batch = {k: np.concatenate([v, np.repeat(v[-1:], pad, 0)]) for k, v in batch.items()}
+    out = predict(state, to_global(batch, mesh, n + pad))
+    return jax.tree.map(lambda x: np.asarray(x)[:n], out)
+
+  return run
+
+
+# ----------------------------------------------------------------------------------------------
 # Shared machinery.
 
 
@@ -151,8 +261,15 @@ def saved_part(state: dict, keys=('params', 'rest', 'opt_state', 'step')) -> dic
   return {k: state[k] for k in keys}
 
 
-def make_train_step(task: Task, graphdef, config, rig: Rig):
-  """The jitted update: `(state, batch) -> (state, metrics)`; donates `state`."""
+def make_train_step(task: Task, graphdef, config, rig: Rig, mesh: Mesh | None = None):
+  """The jitted update: `(state, batch) -> (state, metrics)`; donates `state`.
+
+  `batch` (global leading axis B) is sharded along `mesh`'s 'data' axis (default: all devices),
+  state and metrics are replicated; XLA inserts the gradient all-reduce. Random numbers
+  (augmentation, dropout) are drawn for the logical global batch, so they do not depend on the
+  number of devices.
+  """
+  mesh = make_mesh() if mesh is None else mesh
   tx = create_optimizer(config.train)
   base_key = jax.random.key(config.seed)
 
@@ -171,23 +288,35 @@ def make_train_step(task: Task, graphdef, config, rig: Rig):
     new_state = {**state, 'params': params, 'opt_state': opt_state, 'step': state['step'] + 1}
     return new_state, {'loss': loss, 'grad_norm': optax.tree.norm(grads), **aux}
 
-  return jax.jit(step, donate_argnums=0)
+  return jax.jit(step, donate_argnums=0, in_shardings=(replicated(mesh), batch_sharding(mesh)),
+                 out_shardings=replicated(mesh))
 
 
-def make_predict(task: Task, graphdef, config, rig: Rig):
-  """Jitted deterministic forward `(params, rest, batch) -> outputs`."""
+def make_predict(task: Task, graphdef, config, rig: Rig, mesh: Mesh | None = None):
+  """Jitted deterministic forward `(state, batch) -> outputs`: batch sharded, outputs replicated.
+
+  The batch's leading axis must divide by the device count (`sharded_predict` pads).
+  """
+  mesh = make_mesh() if mesh is None else mesh
 
   def predict(state, batch):
     model = nnx.merge(graphdef, state['params'], state['rngs'], state['rest'])
     return task.infer(model, batch, config, rig)
 
-  return jax.jit(predict)
+  return jax.jit(predict, in_shardings=(replicated(mesh), batch_sharding(mesh)),
+                 out_shardings=replicated(mesh))
 
 
 class MetricWriter:
-  """JSONL (always) and TensorBoard (when tensorboardX imports) logs in the workdir."""
+  """JSONL (always) and TensorBoard (when tensorboardX imports) logs in the workdir.
 
-  def __init__(self, workdir: Path):
+  `enabled=False` (processes other than 0 of a multi-host run) writes nothing.
+  """
+
+  def __init__(self, workdir: Path, enabled: bool = True):
+    self.jsonl, self.tb = None, None
+    if not enabled:
+      return
     self.jsonl = open(workdir / 'log.jsonl', 'a')
     try:
       from tensorboardX import SummaryWriter
@@ -196,6 +325,8 @@ class MetricWriter:
       self.tb = None
 
   def write(self, step: int, kind: str, values: dict) -> None:
+    if self.jsonl is None:
+      return
     self.jsonl.write(json.dumps({'step': step, 'kind': kind, 'time': time.time(), **values}) + '\n')
     self.jsonl.flush()
     if self.tb is not None:
@@ -205,7 +336,8 @@ class MetricWriter:
       self.tb.flush()
 
   def close(self) -> None:
-    self.jsonl.close()
+    if self.jsonl is not None:
+      self.jsonl.close()
     if self.tb is not None:
       self.tb.close()
 
@@ -236,13 +368,23 @@ def checkpoint_meta(config, rig: Rig, task: Task, data_info: dict, metrics_: dic
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
-                       task: Task = IKGAT_TASK, log: Callable[[str], None] = print) -> dict:
+                       task: Task = IKGAT_TASK, log: Callable[[str], None] = print,
+                       mesh: Mesh | None = None) -> dict:
   """Trains `task` on `config.data` split 'train', validating on 'val' if present.
 
-  Rerunning with the same `workdir` resumes from `checkpoints/latest`. Returns the final
-  validation metrics (or the last training metrics without a val split).
+  Rerunning with the same `workdir` resumes from `checkpoints/latest`, on any mesh. `mesh`
+  (default: every device of every process) shards each global batch of `config.train
+  .batch_size` frames, which must divide by its device count. With several processes
+  (`initialize_distributed`) each reads its own rows of every batch, all see the same `workdir`
+  (a shared file system), and only process 0 logs and writes the JSON files. Returns the final
+  validation metrics (or {} without a val split).
   """
   workdir = Path(workdir)
+  tc = config.train
+  mesh = make_mesh() if mesh is None else mesh
+  check_batch_size(tc.batch_size, mesh)
+  chief = jax.process_index() == 0
+  log = log if chief else (lambda msg: None)
   workdir.mkdir(parents=True, exist_ok=True)
   train_data = data_lib.load_shards(config.data, 'train')
   val_data = (data_lib.load_shards(config.data, 'val')
@@ -250,6 +392,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   rig = train_data.rig
   data_info = data_provenance(train_data)
   graphdef, state = init_state(task, config, rig, train_data)
+  state = place_state(state, mesh)  # first: the abstract tree below takes this mesh's shardings
   latest = checkpointing.Checkpointer(workdir / 'checkpoints' / 'latest', max_to_keep=1)
   best = checkpointing.Checkpointer(workdir / 'checkpoints' / 'best', max_to_keep=1)
   best_value = math.inf
@@ -264,28 +407,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
       best_value = best.restore_meta()['metrics'].get(task.best_metric, math.inf)
     log(f'resumed from {latest.directory} at step {int(state["step"])}')
   manifest = {'command': ' '.join(sys.argv), 'workdir': str(workdir.absolute()),
-              'status': 'running', 'steps': int(config.train.steps), 'task': task.name,
-              'config': config.to_dict()}
-  write_json_atomic(workdir / 'run.json', {**manifest, 'step': int(state['step'])})
-  (workdir / 'config.json').write_text(json.dumps(config.to_dict(), indent=1))
+              'status': 'running', 'steps': int(tc.steps), 'task': task.name,
+              'config': config.to_dict(), 'devices': mesh.size,
+              'processes': jax.process_count()}
+  if chief:
+    write_json_atomic(workdir / 'run.json', {**manifest, 'step': int(state['step'])})
+    (workdir / 'config.json').write_text(json.dumps(config.to_dict(), indent=1))
 
-  train_step = make_train_step(task, graphdef, config, rig)
-  predict = make_predict(task, graphdef, config, rig)
-  writer = MetricWriter(workdir)
-  tc = config.train
-  n_train = len(train_data.positions)
+  train_step = make_train_step(task, graphdef, config, rig, mesh)
+  predict = make_predict(task, graphdef, config, rig, mesh)
+  writer = MetricWriter(workdir, enabled=chief)
   step = int(state['step'])
   last_val: dict = {}
-  window_t, window_steps, window_loss = time.time(), 0, []
-  start_step, start_time = step, time.time()
 
   def run_validation(step):
     nonlocal best_value, last_val
     if val_data is None:
       return
     t = time.time()
-    last_val = task.validate(lambda b: predict(state, b), val_data,
-                             config, rig)
+    last_val = task.validate(sharded_predict(predict, state, mesh), val_data, config, rig)
     writer.write(step, 'val', {**last_val, 'seconds': time.time() - t})
     value = last_val[task.best_metric]
     if value < best_value:
@@ -295,36 +435,36 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
 
   def save_latest(step, status):
     latest.save(step, saved_part(state), checkpoint_meta(config, rig, task, data_info, last_val))
-    write_json_atomic(workdir / 'run.json', {**manifest, 'status': status, 'step': step,
-                                             'val': last_val, 'best_value': best_value})
+    if chief:
+      write_json_atomic(workdir / 'run.json', {**manifest, 'status': status, 'step': step,
+                                               'val': last_val, 'best_value': best_value})
 
-  log(f'training {task.name} on {n_train} frames ({rig.name}, {rig.num_joints} joints), '
-      f'{tc.steps} steps of batch {tc.batch_size}, params '
+  log(f'training {task.name} on {len(train_data)} frames ({rig.name}, {rig.num_joints} joints), '
+      f'{tc.steps} steps of batch {tc.batch_size} on {mesh.size} device(s), '
+      f'{jax.process_count()} process(es), params '
       f'{sum(x.size for x in jax.tree.leaves(state["params"])):,}')
+  pipeline = input_pipeline.Prefetcher(
+      ((s, to_global(b, mesh, tc.batch_size)) for s, _, b in input_pipeline.host_batches(
+          train_data, tc.batch_size, config.seed, step, tc.steps, jax.process_index(),
+          jax.process_count())), depth=tc.get('prefetch', 2))
+  progress = _Progress(step, pipeline)
   try:
-    while step < tc.steps:
-      idx = input_pipeline.batch_indices(step, tc.batch_size, n_train, config.seed)
-      batch = input_pipeline.gather_batch(train_data, idx)
+    for batch_step, batch in pipeline:
+      assert batch_step == step, (batch_step, step)
       state, m = train_step(state, batch)
       step += 1
-      window_steps += 1
-      window_loss.append(m['loss'])
+      progress.add(m['loss'])
       if step % tc.log_every == 0 or step == tc.steps:
-        m = jax.device_get(m)
-        dt = time.time() - window_t
-        fps = window_steps * tc.batch_size / max(dt, 1e-9)
-        rate = (step - start_step) / max(time.time() - start_time, 1e-9)
-        vals = {k: float(v) for k, v in m.items()}
-        vals['loss'] = float(np.mean(jax.device_get(window_loss)))
-        vals['frames_per_s'] = fps
+        vals = progress.report(m, tc.batch_size)
         writer.write(step, 'train', vals)
         val_txt = (f' | val {task.best_metric} {last_val[task.best_metric]:.2f}'
                    if last_val else '')
-        log(f'step {step}/{tc.steps} loss {vals["loss"]:.4f}{val_txt} | {fps:,.0f} frames/s '
-            f'| ETA {_fmt_eta((tc.steps - step) / max(rate, 1e-9))}')
+        log(f'step {step}/{tc.steps} loss {vals["loss"]:.4f}{val_txt} | '
+            f'{vals["frames_per_s"]:,.0f} frames/s, pipeline '
+            f'{vals["pipeline_frames_per_s"]:,.0f} frames/s | '
+            f'ETA {_fmt_eta((tc.steps - step) / max(progress.steps_per_s(step), 1e-9))}')
         if not np.isfinite(vals['loss']):
           raise FloatingPointError(f'loss became {vals["loss"]} at step {step}')
-        window_t, window_steps, window_loss = time.time(), 0, []
       if step % tc.eval_every == 0 or step == tc.steps:
         run_validation(step)
       if step % tc.checkpoint_every == 0 and step < tc.steps:
@@ -334,6 +474,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     log(f'interrupted at step {step}; checkpoint saved. Rerun the same command to resume.')
     writer.close()
     raise
+  finally:
+    pipeline.close()
   save_latest(step, 'done')
   writer.close()
   if val_data is None:
@@ -342,6 +484,43 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   log(f'done: step {step}' + (f', val {task.best_metric} {last_val[task.best_metric]:.3f} '
                               f'(best {best_value:.3f})' if last_val else ''))
   return last_val
+
+
+class _Progress:
+  """Rates over the steps since the last report: train frames/s and the input pipeline's own.
+
+  The pipeline rate is global-batch frames per second of the prefetch thread's busy time
+  (batch order, memory-mapped reads, copy to the devices; each process makes its 1/P of every
+  batch in parallel), comparable with the train rate: when it is not well above it, the input
+  pipeline is the bottleneck.
+  """
+
+  def __init__(self, step: int, pipeline: input_pipeline.Prefetcher):
+    self.pipeline = pipeline
+    self.start_step, self.start_time = step, time.time()
+    self._reset()
+
+  def _reset(self):
+    self.t, self.steps, self.losses = time.time(), 0, []
+    self.busy, self.made = self.pipeline.busy_seconds, self.pipeline.produced
+
+  def add(self, loss: jax.Array) -> None:
+    self.steps += 1
+    self.losses.append(loss)
+
+  def steps_per_s(self, step: int) -> float:
+    return (step - self.start_step) / max(time.time() - self.start_time, 1e-9)
+
+  def report(self, metrics_: dict, batch_size: int) -> dict:
+    vals = {k: float(v) for k, v in jax.device_get(metrics_).items()}
+    vals['loss'] = float(np.mean(jax.device_get(self.losses)))
+    vals['frames_per_s'] = self.steps * batch_size / max(time.time() - self.t, 1e-9)
+    made, busy = self.pipeline.produced - self.made, self.pipeline.busy_seconds - self.busy
+    if made == 0:  # the thread has made every batch already: its rate over the whole run
+      made, busy = self.pipeline.produced, self.pipeline.busy_seconds
+    vals['pipeline_frames_per_s'] = made * batch_size / max(busy, 1e-9)
+    self._reset()
+    return vals
 
 
 def load_model(checkpoint_dir: str | os.PathLike, task: Task = IKGAT_TASK,
