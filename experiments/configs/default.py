@@ -20,7 +20,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict(dict(
       steps=20_000, batch_size=256, lr=1e-3, final_lr_fraction=0.01, warmup_steps=500,
       weight_decay=1e-4, clip_norm=1.0, log_every=100, eval_every=1000,
-      checkpoint_every=500, val_frames=4096, eval_batch_size=1024))
+      checkpoint_every=500, val_frames=4096, eval_batch_size=1024, prefetch=2))
   c.loss = ml_collections.ConfigDict(dict(alpha=0.1))
   c.augment = ml_collections.ConfigDict(dict(yaw=True, mirror=0.5, bone_scale=0.07,
                                              noise_mm=0.0))
