@@ -1,7 +1,8 @@
 """BVH mocap -> training shards: joint maps, rig reduction, verification, resampling, shards.
 
-The library behind `python -m data_prep.bvh_to_shards` (DESIGN sections 3, 7 and 9). Library
-code: no flags; progress goes to a `log` callable (stderr by default).
+The library behind `python -m data_prep.bvh_to_shards` (DESIGN sections 3, 7 and 9); the AMASS
+converter (data_prep/amass.py) shares its resampling, subjects, merging and shard writing.
+Library code: no flags; progress goes to a `log` callable (stderr by default).
 
 Choices written down (DESIGN leaves them open):
 - Reduction. Every source joint is mapped to a rig joint, pruned (with its whole subtree), or
@@ -382,7 +383,7 @@ class ReducedMotion:
 _CHUNK = 512
 
 
-def _chunked(fn: Callable, frames: Sequence[np.ndarray], *rest) -> tuple[np.ndarray, ...]:
+def chunked(fn: Callable, frames: Sequence[np.ndarray], *rest) -> tuple[np.ndarray, ...]:
   """`fn(*frame_chunks, *rest)` over `_CHUNK`-frame slices of `frames` (leading axis T),
   concatenated along T; `fn` is a jitted function, outputs are numpy float64."""
   T = frames[0].shape[0]
@@ -430,13 +431,13 @@ def source_local_rotations(motion: bvh.BVHMotion) -> np.ndarray:
       by_order.setdefault(motion.euler_order(j), []).append(j)
   for order, joints in by_order.items():
     angles = np.stack([motion.rotation_degrees(j) for j in joints], axis=1)  # [T, n, len(order)]
-    out[:, joints] = _chunked(_euler_matrices, [angles], order)[0]
+    out[:, joints] = chunked(_euler_matrices, [angles], order)[0]
   return out
 
 
 def rotation_angles_deg(R: np.ndarray) -> np.ndarray:
   """`[T, ..., 3, 3]` -> rotation angle in degrees `[T, ...]` (geodesic distance from I)."""
-  return _chunked(_angles_from_identity, [R])[0]
+  return chunked(_angles_from_identity, [R])[0]
 
 
 def _translations(motion: bvh.BVHMotion) -> list[np.ndarray]:
@@ -501,7 +502,7 @@ def forward_kinematics_np(reduced: ReducedMotion, parents: Sequence[int]
   """`kinematics.forward_kinematics` in float64: `(G [T, J, 3, 3], p [T, J, 3])`."""
   with jax.enable_x64(True):
     offsets = jnp.asarray(reduced.offsets, jnp.float64)
-  return _chunked(_fk, [reduced.local_rot, reduced.root_pos], offsets, tuple(parents))
+  return chunked(_fk, [reduced.local_rot, reduced.root_pos], offsets, tuple(parents))
 
 
 def verify_fk(motion: bvh.BVHMotion, plan: Reduction, reduced: ReducedMotion, scale: float,
@@ -531,7 +532,7 @@ def resample(reduced: ReducedMotion, fps_in: float, fps_out: float) -> ReducedMo
   i0 = np.minimum(np.floor(s).astype(int), T - 1)
   i1 = np.minimum(i0 + 1, T - 1)
   frac = s - i0
-  local = _chunked(_slerp_matrices, [reduced.local_rot[i0], reduced.local_rot[i1], frac])[0]
+  local = chunked(_slerp_matrices, [reduced.local_rot[i0], reduced.local_rot[i1], frac])[0]
   root = (1 - frac)[:, None] * reduced.root_pos[i0] + frac[:, None] * reduced.root_pos[i1]
   return dataclasses.replace(reduced, local_rot=local, root_pos=root)
 
@@ -550,6 +551,7 @@ class Clip:
     local_rot, global_rot: `[n, J, 3, 3]`; positions: `[n, J, 3]` (metres, rig world).
     source_frames: frames in the file (before dropping the first); source_fps: its rate.
     fk_max_error_m: the verification error over every converted source frame.
+    extra: more fields for the file's row of files.json (JSON values; e.g. AMASS betas).
   """
   file: str
   path: str
@@ -568,6 +570,7 @@ class Clip:
   split: str = 'train'
   part: str | None = None
   subject_id: int = -1
+  extra: dict = dataclasses.field(default_factory=dict)
 
   @property
   def frames(self) -> int:
@@ -818,7 +821,7 @@ class _Shards:
   arrays: dict = dataclasses.field(default_factory=dict)
 
 
-def _load_output(output: Path) -> _Shards:
+def load_output(output: Path) -> _Shards:
   if not output.exists():
     return _Shards()
   if not output.is_dir():
@@ -922,7 +925,8 @@ def write_output(output: Path, shards: _Shards, rig: skeleton.Rig, clips: Sequen
         'file_id': first_id + i, 'file': c.file, 'subject': shards.subjects[c.subject_id]['name'],
         'subject_id': c.subject_id, 'sha256': c.sha256, 'split': c.split, 'part': c.part,
         'start': start, 'frames': c.frames, 'source_frames': c.source_frames,
-        'source_fps': c.source_fps, 'fk_max_error_m': c.fk_max_error_m, 'path': c.path})
+        'source_fps': c.source_fps, 'fk_max_error_m': c.fk_max_error_m, 'path': c.path,
+        **c.extra})
     shards.split_files.append({'file': c.file, 'subject': shards.subjects[c.subject_id]['name'],
                                'sha256': c.sha256, 'split': c.split, 'part': c.part})
   shards.split_sources.update(split_sources)
@@ -976,7 +980,7 @@ def _swap_in(tmp: Path, output: Path) -> None:
 # The whole command.
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
   """HEAD of the converter's checkout, '+dirty' with uncommitted changes to tracked files."""
   import subprocess
   def run(*args):
@@ -986,6 +990,39 @@ def _git_commit() -> str:
     return run('rev-parse', 'HEAD') + ('+dirty' if run('status', '--porcelain', '-uno') else '')
   except (OSError, subprocess.SubprocessError):
     return 'unknown'
+
+
+def check_output_matches(shards: _Shards, output: Path, fps: float,
+                         rig: skeleton.Rig | None) -> None:
+  """Refuses adding to a shard directory of another frame rate or rig (None: not yet known)."""
+  if shards.summary is None:
+    return
+  if float(shards.summary['fps']) != float(fps):
+    raise ConversionError(f'--output {output} holds {shards.summary["fps"]} fps shards, this run '
+                          f'asks for --fps={fps:g}')
+  if rig is not None and rig.fingerprint() != shards.rig.fingerprint():
+    raise ConversionError(f'--output {output} holds rig {shards.rig.name} '
+                          f'({shards.rig.fingerprint()}), this run converts to {rig.name} '
+                          f'({rig.fingerprint()})')
+
+
+def new_inputs(inputs: Sequence[tuple[str, Path]], shards: _Shards, output: Path,
+               log: Log = log_stderr) -> tuple[list[tuple[str, Path, str]], list[str]]:
+  """`((file, path, sha256) not yet in the shards, files skipped)`: a file already there with
+  the same sha256 is skipped (logged), one with a different sha256 refused."""
+  todo, skipped = [], []
+  done = {f['file']: f['sha256'] for f in shards.files}
+  for file, path in inputs:
+    sha = file_sha256(path)
+    if file in done:
+      if done[file] != sha:
+        raise ConversionError(f'{file} is already in {output} with a different sha256; convert it '
+                              'into a new --output')
+      skipped.append(file)
+      log(f'{file}: already in {output}, skipped')
+      continue
+    todo.append((file, path, sha))
+  return todo, skipped
 
 
 def build_joint_map(rig: str, inputs: Sequence[Path], units: str | float | None = None,
@@ -1030,19 +1067,12 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
   if on_error not in ('fail', 'skip'):
     raise ConversionError(f'on_error must be fail or skip, got {on_error!r}')
   output = Path(output)
-  shards = _load_output(output)
+  shards = load_output(output)
   inputs = find_bvh_files(input_path)
   jmap = build_joint_map(rig, [p for _, p in inputs], units, up, forward, prune,
                          drop_first_frame, subject_regex)
   target = resolve_rig(jmap)
-  if shards.summary is not None:
-    if float(shards.summary['fps']) != float(fps):
-      raise ConversionError(f'--output {output} holds {shards.summary["fps"]} fps shards, this run '
-                            f'asks for --fps={fps:g}')
-    if target is not None and target.fingerprint() != shards.rig.fingerprint():
-      raise ConversionError(f'--output {output} holds rig {shards.rig.name} '
-                            f'({shards.rig.fingerprint()}), this run converts to {target.name} '
-                            f'({target.fingerprint()})')
+  check_output_matches(shards, output, fps, target)
   known = target or shards.rig
   W = world_rotation(jmap.up, jmap.forward, known.up if known else (0.0, 1.0, 0.0),
                      known.forward if known else (0.0, 0.0, 1.0))
@@ -1058,19 +1088,9 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
   else:
     split_sources = {f'--split={split}': None}
 
-  todo, skipped = [], []
-  done = {f['file']: f['sha256'] for f in shards.files}
-  for file, path in inputs:
-    sha = file_sha256(path)
-    if file in done:
-      if done[file] != sha:
-        raise ConversionError(f'{file} is already in {output} with a different sha256; convert it '
-                              'into a new --output')
-      skipped.append(file)
-      log(f'{file}: already in {output}, skipped')
-      continue
-    split_name, part = assign_split(file, sha, split, split_doc)
-    todo.append((file, path, sha, split_name, part, subject_of(file, jmap.subject_regex)))
+  new, skipped = new_inputs(inputs, shards, output, log)
+  todo = [(file, path, sha, *assign_split(file, sha, split, split_doc),
+           subject_of(file, jmap.subject_regex)) for file, path, sha in new]
   if not todo:
     log(f'nothing to convert: every input file is already in {output}')
     return shards.summary
@@ -1105,7 +1125,7 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
          'files_added': len(clips), 'files_skipped': skipped, 'files_refused': refused,
          'frames_added': sum(c.frames for c in clips),
          'fk_max_error_m': max(c.fk_max_error_m for c in clips),
-         'seconds': round(time.perf_counter() - started, 3), 'git_commit': _git_commit(),
+         'seconds': round(time.perf_counter() - started, 3), 'git_commit': git_commit(),
          'time_utc': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
   return write_output(output, shards, target, clips, float(fps), split_sources, run)
 
