@@ -11,7 +11,6 @@ section 9 plus per_subject, per_file, per_part, settings, provenance). Without -
 
 import json
 import os
-import sys
 from pathlib import Path
 
 from absl import app, flags
@@ -52,7 +51,7 @@ def solver_config():
 @fail_on_user_error
 def main(argv):
   del argv
-  from ik_gat_jax import data, evaluation
+  from ik_gat_jax import data, evaluation, provenance
   out = Path(_OUTPUT.value)
   if out.parent and not out.parent.exists():
     raise FileNotFoundError(f'output directory {out.parent} does not exist')
@@ -64,7 +63,7 @@ def main(argv):
                                   chunk=_BATCH.value)
   result = evaluation.evaluate(method, ds, ds.rig, max_frames=_MAX_FRAMES.value,
                                noise_mm=_NOISE.value, seed=_SEED.value)
-  result['command'] = ' '.join(['python -m experiments.evaluate'] + sys.argv[1:])
+  result['command'] = provenance.command_line()
   print(evaluation.markdown_table(result))
   tmp = out.with_name(out.name + '.tmp')
   tmp.write_text(json.dumps(result, indent=1))

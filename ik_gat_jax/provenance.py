@@ -63,3 +63,13 @@ def provenance(**extra) -> dict:
       'time_utc': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
       **extra,
   }
+
+
+def command_line() -> str:
+  """The running command as a user would type it (`python -m pkg.mod ...` for our mains)."""
+  import sys
+  prog = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
+  if prog is not None and prog.suffix == '.py' and REPO in prog.parents:
+    module = '.'.join(prog.relative_to(REPO).with_suffix('').parts)
+    return ' '.join(['python -m', module] + sys.argv[1:])
+  return ' '.join(sys.argv)

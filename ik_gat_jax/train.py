@@ -25,7 +25,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -363,7 +362,7 @@ def data_provenance(data) -> dict:
 
 def checkpoint_meta(config, rig: Rig, task: Task, data_info: dict, metrics_: dict) -> dict:
   return {'task': task.name, 'config': config.to_dict(), 'rig': rig.to_json(),
-          'metrics': metrics_, 'data': data_info, 'command': ' '.join(sys.argv),
+          'metrics': metrics_, 'data': data_info, 'command': provenance.command_line(),
           'provenance': provenance.provenance(rig_hash=rig.fingerprint())}
 
 
@@ -406,7 +405,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     if best.latest_step() is not None:
       best_value = best.restore_meta()['metrics'].get(task.best_metric, math.inf)
     log(f'resumed from {latest.directory} at step {int(state["step"])}')
-  manifest = {'command': ' '.join(sys.argv), 'workdir': str(workdir.absolute()),
+  manifest = {'command': provenance.command_line(), 'workdir': str(workdir.absolute()),
               'status': 'running', 'steps': int(tc.steps), 'task': task.name,
               'config': config.to_dict(), 'devices': mesh.size,
               'processes': jax.process_count()}
