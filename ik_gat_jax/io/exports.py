@@ -1,0 +1,437 @@
+"""The solver's files: positions in (npz, csv, BVH), rotations out (npz, BVH, SMPL npz).
+
+Readers return positions `[T, J, 3]` in the rig's joint order:
+- npz: key `positions` (or the only array), `[T, J, 3]` or `[J, 3]`, input units; optional
+  `joint_names` (reordered to the rig's by name), `fps`, `offsets [J, 3]` (metres).
+- csv: one frame per row, J x 3 columns (x, y, z per joint in rig order), comma, semicolon or
+  whitespace separated; a header row is optional. A header whose fields all read `<joint>_<axis>`
+  (or `<joint>.<axis>`) with the rig's joint names is used to reorder the columns.
+- BVH: joint positions by FK, reduced to the rig with `data_prep.conversion` (the file's own
+  rest offsets come along). A BVH that has every rig joint by name (e.g. one this module wrote)
+  is reduced by name, extra subtrees pruned, in centimetres unless `units` says otherwise; any
+  other BVH needs a joint map (`joint_map`, default: the rig's own, e.g. `cmu_body`).
+
+Writers (all atomic: a temp file in the same directory, then `os.replace`; an existing file is
+refused unless `overwrite`):
+- npz: `local_rot`, `global_rot`, `bone_aligned_rot [T, J, 3, 3]`, `positions_fk`, `positions`
+  `[T, J, 3]` (metres), `offsets [J, 3]` (metres), `bone_frames [J, 3, 3]`, `joint_names`,
+  `parents`, `fps`, `rig` (JSON).
+- BVH: the rig's joints (depth-first), OFFSETs = the subject's offsets, root channels
+  `Xposition Yposition Zposition Zrotation Yrotation Xrotation`, others `Zrotation Yrotation
+  Xrotation` (R = Rz Ry Rx, degrees), End Sites at leaves along the leaf's rest direction (half
+  the leaf's bone, at least 2 cm). Lengths in CENTIMETRES by default (`units='m'` for metres);
+  Blender: File > Import > BVH with Scale 0.01 for centimetres (1.0 for metres), forward Z, up Y.
+- SMPL npz (rig `smpl22` only): `poses [T, 66]` axis-angle (radians) of the 22 local rotations
+  in SMPL joint order (root orientation first), `root_orient [T, 3]`, `pose_body [T, 63]`,
+  `trans [T, 3]` = root position - rest root position (metres), `mocap_framerate`. These are
+  SMPL pose parameters when the offsets are the body model's rest joints (SMPL's zero pose is
+  the rig's rest pose).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ik_gat_jax import bone_frames as bone_frames_lib
+from ik_gat_jax import rotations
+from ik_gat_jax.io import bvh
+from ik_gat_jax.skeleton import SMPL22_JOINTS, Rig
+from ik_gat_jax.solver import InputError
+
+BVH_UNITS = {'cm': 0.01, 'm': 1.0}  # metres per BVH unit the writer offers
+DEFAULT_BVH_UNITS = 'cm'
+_END_SITE_MIN_M = 0.02
+
+
+# ----------------------------------------------------------------------------------------------
+# Output paths: refuse to overwrite, write atomically, stage several outputs together.
+
+
+def check_output(path: str | os.PathLike, overwrite: bool) -> Path:
+  """An output path that may be written: its directory exists, and it does not unless
+  `overwrite`. Raises FileExistsError / FileNotFoundError with the fix."""
+  path = Path(path)
+  if path.exists() and not overwrite:
+    raise FileExistsError(f'{path} exists; pass --overwrite to replace it')
+  parent = path.absolute().parent
+  if not parent.is_dir():
+    raise FileNotFoundError(f'output directory {parent} does not exist')
+  return path
+
+
+def _temp_beside(path: Path, suffix: str = '') -> Path:
+  fd, tmp = tempfile.mkstemp(dir=path.absolute().parent, prefix=f'.{path.name}.',
+                             suffix='.tmp' + suffix)
+  os.close(fd)
+  return Path(tmp)
+
+
+def write_npz_atomic(path: str | os.PathLike, arrays: dict, overwrite: bool = True) -> None:
+  """`np.savez` to a temp file beside `path`, then `os.replace` (no half-written file)."""
+  path = check_output(path, overwrite)
+  tmp = _temp_beside(path)
+  try:
+    with open(tmp, 'wb') as f:
+      np.savez(f, **arrays)
+    os.replace(tmp, path)
+  finally:
+    tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def staged(paths: Sequence[str | os.PathLike | None], overwrite: bool) -> Iterator[list]:
+  """Yields a temp path per output (None stays None); on success each replaces its output,
+  on any error all temps are removed and no output is touched. A temp keeps its output's
+  suffix; a path without a suffix is a directory (created empty)."""
+  outs = [None if p is None else check_output(p, overwrite) for p in paths]
+  temps = []
+  for p in outs:
+    if p is None:
+      temps.append(None)
+    elif p.suffix:
+      temps.append(_temp_beside(p, p.suffix))
+    else:
+      _check_frames_dir(p)
+      temps.append(Path(tempfile.mkdtemp(dir=p.absolute().parent, prefix=f'.{p.name}.')))
+  try:
+    yield temps
+    for p, tmp in zip(outs, temps):
+      if p is not None:
+        _replace(tmp, p)
+  finally:
+    for tmp in temps:
+      if tmp is not None and tmp.is_dir():
+        shutil.rmtree(tmp, ignore_errors=True)
+      elif tmp is not None:
+        tmp.unlink(missing_ok=True)
+
+
+def _check_frames_dir(path: Path) -> None:
+  """A frames directory may be replaced only if it holds nothing but our frame PNGs."""
+  if path.is_dir() and any(not re.fullmatch(r'frame_\d+\.png', q.name) for q in path.iterdir()):
+    raise FileExistsError(f'{path} holds files other than frame_*.png; choose an empty or new '
+                          'directory for the clip frames')
+  if path.exists() and not path.is_dir():
+    raise FileExistsError(f'{path} is a file; a clip without .gif is a directory of PNGs')
+
+
+def _replace(tmp: Path, path: Path) -> None:
+  if tmp.is_dir() and path.is_dir():
+    shutil.rmtree(path)  # only frame PNGs (checked by _check_frames_dir)
+  os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Readers.
+
+
+@dataclasses.dataclass
+class PositionsFile:
+  """What a reader found. positions: `[T, J, 3]` (input units and axes unless `metres_rig`);
+  offsets: `[J, 3]` metres or None; fps or None; metres_rig: already metres in rig axes (BVH)."""
+  positions: np.ndarray
+  offsets: np.ndarray | None = None
+  fps: float | None = None
+  metres_rig: bool = False
+
+
+def read_positions(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = None,
+                   bvh_units: str | float | None = None,
+                   bvh_fps: float | None = None) -> PositionsFile:
+  """By extension: .npz, .csv, .bvh (module docstring); a BVH resampled to `bvh_fps`."""
+  path = Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f'input {path} does not exist')
+  ext = path.suffix.lower()
+  if ext == '.npz':
+    return read_positions_npz(path, rig)
+  if ext == '.csv':
+    return PositionsFile(read_positions_csv(path, rig))
+  if ext == '.bvh':
+    return read_bvh_clip(path, rig, joint_map=joint_map, units=bvh_units, fps=bvh_fps)
+  raise InputError(f'input {path}: unknown format {ext!r}; use .npz, .csv or .bvh')
+
+
+def read_positions_npz(path: str | os.PathLike, rig: Rig) -> PositionsFile:
+  with np.load(path, allow_pickle=False) as z:
+    keys = list(z.keys())
+    key = 'positions' if 'positions' in keys else (keys[0] if len(keys) == 1 else None)
+    if key is None:
+      raise InputError(f'{path}: no `positions` array (keys: {", ".join(keys)})')
+    pos = np.asarray(z[key], np.float64)
+    names = [str(n) for n in z['joint_names']] if 'joint_names' in keys else None
+    fps = float(z['fps']) if 'fps' in keys else None
+    offsets = np.asarray(z['offsets'], np.float64) if 'offsets' in keys else None
+  if names is not None:
+    order = _order_by_names(names, rig, f'{path}: joint_names')
+    pos = pos[..., order, :] if pos.ndim >= 2 and pos.shape[-2] == len(names) else pos
+    if offsets is not None and offsets.shape == (len(names), 3):
+      offsets = offsets[order]
+  return PositionsFile(pos, offsets, fps)
+
+
+def _order_by_names(names: Sequence[str], rig: Rig, what: str) -> list[int]:
+  missing = [n for n in rig.joint_names if n not in names]
+  extra = [n for n in names if n not in rig.joint_names]
+  if missing or extra:
+    raise InputError(f'{what} do not match rig {rig.name!r}: missing {missing}, unknown {extra}')
+  return [list(names).index(n) for n in rig.joint_names]
+
+
+def _is_number(text: str) -> bool:
+  try:
+    float(text)
+    return True
+  except ValueError:
+    return False
+
+
+def read_positions_csv(path: str | os.PathLike, rig: Rig) -> np.ndarray:
+  """`[T, J, 3]` from one frame per row (module docstring)."""
+  lines = [(i + 1, line) for i, line in enumerate(Path(path).read_text().splitlines())
+           if line.strip() and not line.lstrip().startswith('#')]
+  if not lines:
+    raise InputError(f'{path}: no rows')
+  split = lambda line: [f for f in re.split(r'[,;\s]+', line.strip()) if f]  # noqa: E731
+  header = None
+  if not all(_is_number(f) for f in split(lines[0][1])):
+    header, lines = split(lines[0][1]), lines[1:]
+  J = rig.num_joints
+  rows = []
+  for lineno, line in lines:
+    fields = split(line)
+    if len(fields) != 3 * J:
+      raise InputError(f'{path}:{lineno}: {len(fields)} columns, expected {3 * J} (x, y, z of '
+                       f'the {J} joints of rig {rig.name!r} in order: '
+                       f'{", ".join(rig.joint_names)})')
+    try:
+      rows.append([float(f) for f in fields])
+    except ValueError:
+      bad = next(f for f in fields if not _is_number(f))
+      raise InputError(f'{path}:{lineno}: {bad!r} is not a number') from None
+  if not rows:
+    raise InputError(f'{path}: a header but no frames')
+  pos = np.asarray(rows, np.float64).reshape(len(rows), J, 3)
+  order = _header_order(header, rig, path) if header else None
+  return pos.reshape(len(rows), 3 * J)[:, order].reshape(len(rows), J, 3) if order else pos
+
+
+def _header_order(header: list[str], rig: Rig, path) -> list[int] | None:
+  """Column permutation to rig order when every header field is `<rig joint>_<axis>`."""
+  parsed = [re.fullmatch(r'(.+?)[_.:]([xyzXYZ])', h) for h in header]
+  if not all(parsed) or not all(m.group(1) in rig.joint_names for m in parsed):
+    return None  # an opaque header: columns are taken in rig order
+  index = {(m.group(1), m.group(2).lower()): k for k, m in enumerate(parsed)}
+  need = [(n, a) for n in rig.joint_names for a in 'xyz']
+  missing = [f'{n}_{a}' for n, a in need if (n, a) not in index]
+  if missing:
+    raise InputError(f'{path}: header lacks columns {", ".join(missing[:6])}'
+                     f'{" ..." if len(missing) > 6 else ""}')
+  return [index[k] for k in need]
+
+
+def _axis_name(v: Sequence[float]) -> str:
+  k = int(np.argmax(np.abs(v)))
+  return ('-' if v[k] < 0 else '+') + 'xyz'[k]
+
+
+def bvh_joint_map(motion: bvh.BVHMotion, rig: Rig, joint_map: str | None = None,
+                  units: str | float | None = None):
+  """The `conversion.JointMap` that reduces `motion` to `rig`: `joint_map` if given; by name
+  when the BVH's joints are exactly the rig's (a file this module wrote); else the rig's own
+  joint map when the BVH has every joint it names (e.g. cgspeed CMU for cmu_body); else by
+  name with the other subtrees pruned. `units` overrides the map's."""
+  from data_prep import conversion
+  scale = conversion.parse_units(units) if units is not None else None
+  if joint_map is not None:
+    return conversion.load_joint_map(joint_map).with_overrides(units=scale)
+  names = set(motion.names)
+  if names != set(rig.joint_names):
+    try:
+      jmap = conversion.load_joint_map(rig.name)
+    except conversion.ConversionError:
+      jmap = None
+    if jmap is not None and {s for s, _ in jmap.joints} | set(jmap.prune) <= names:
+      return jmap.with_overrides(units=scale)
+  if not set(rig.joint_names) <= names:
+    raise InputError(f'BVH {motion.path} lacks joints {sorted(set(rig.joint_names) - names)[:6]}'
+                     f' of rig {rig.name!r} and no joint map fits it: pass --joint_map=JSON '
+                     '(data_prep/joint_maps/schema.json)')
+  return _by_name_joint_map(motion, rig, scale)
+
+
+def _by_name_joint_map(motion: bvh.BVHMotion, rig: Rig, scale: float | None):
+  from data_prep import conversion
+  index = {n: i for i, n in enumerate(motion.names)}
+  keep = {index[n] for n in rig.joint_names}
+  live = lambda j: j in keep or _has_kept_below(j, motion.parents, keep)  # noqa: E731
+  prune = [n for j, n in enumerate(motion.names)
+           if not live(j) and motion.parents[j] >= 0 and live(motion.parents[j])]
+  return conversion.JointMap(
+      joints=tuple((n, n) for n in rig.joint_names), prune=tuple(prune),
+      units=scale if scale is not None else BVH_UNITS[DEFAULT_BVH_UNITS],
+      up=_axis_name(rig.up), forward=_axis_name(rig.forward), rig=rig.name, name='by name')
+
+
+def _has_kept_below(j: int, parents: Sequence[int], keep: set[int]) -> bool:
+  """Whether joint j has a kept joint strictly below it."""
+  for c in range(j + 1, len(parents)):
+    a = parents[c]
+    while a >= 0 and a != j:
+      a = parents[a]
+    if a == j and c in keep:
+      return True
+  return False
+
+
+def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = None,
+                  units: str | float | None = None, fps: float | None = None,
+                  max_frames: int | None = None) -> PositionsFile:
+  """A BVH's joint positions `[T, J, 3]` and rest offsets `[J, 3]`, reduced to `rig` (metres,
+  rig axes, verified FK); at `fps` (default: the file's own rate, no resampling)."""
+  from data_prep import conversion
+  motion = bvh.read_bvh(path)
+  jmap = bvh_joint_map(motion, rig, joint_map, units)
+  first = 1 if jmap.drop_first_frame else 0  # the joint map's T-pose frame (cgspeed CMU)
+  stop = None if max_frames is None else first + max_frames
+  motion = dataclasses.replace(motion, motion=motion.motion[first:stop])
+  if motion.num_frames < 1:
+    raise InputError(f'{path}: no frames to solve')
+  W = conversion.world_rotation(jmap.up, jmap.forward, rig.up, rig.forward)
+  rate = conversion.source_fps(motion.frame_time)
+  _, out, _, p, _ = conversion.convert_motion(motion, jmap, W, fps or rate, rig.joint_names,
+                                              rig.parents)
+  return PositionsFile(p, out.offsets, fps or rate, metres_rig=True)
+
+
+def read_bvh_offsets(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = None,
+                     units: str | float | None = None) -> np.ndarray:
+  """A BVH subject's rest offsets `[J, 3]` reduced to `rig` (metres, rig axes)."""
+  return read_bvh_clip(path, rig, joint_map=joint_map, units=units, max_frames=1).offsets
+
+
+# ----------------------------------------------------------------------------------------------
+# Writers.
+
+
+def solution_arrays(sol, rig: Rig, fps: float, extra: dict | None = None) -> dict:
+  """The npz fields (module docstring) of a `solver.Solution`."""
+  return {'local_rot': sol.local_rot, 'global_rot': sol.global_rot,
+          'bone_aligned_rot': sol.bone_aligned_rot, 'positions_fk': sol.positions_fk,
+          'positions': sol.positions, 'offsets': np.asarray(sol.offsets, np.float32),
+          'bone_frames': np.asarray(sol.bone_frames, np.float32),
+          'joint_names': np.asarray(rig.joint_names), 'parents': np.asarray(rig.parents),
+          'fps': np.float32(fps), 'rig': np.asarray(json.dumps(rig.to_json())),
+          **(extra or {})}
+
+
+def depth_first_order(parents: Sequence[int]) -> list[int]:
+  """Joint indices depth-first from the root, children in index order (BVH file order)."""
+  order, stack = [], [0]
+  while stack:
+    j = stack.pop()
+    order.append(j)
+    stack += reversed([c for c, p in enumerate(parents) if p == j])
+  return order
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _euler_degrees(R: jax.Array, order: str) -> jax.Array:
+  return rotations.euler_from_matrix(R, order, degrees=True)
+
+
+def euler_zyx_degrees(R: np.ndarray) -> np.ndarray:
+  """`[..., 3, 3]` -> intrinsic ZYX angles in degrees `[..., 3]` (R = Rz Ry Rx), float64.
+
+  Jitted over the flattened matrices padded to a power of two (few compiles for any T)."""
+  R = np.asarray(R, np.float64)
+  flat = R.reshape(-1, 3, 3)
+  n = max(64, 1 << max(len(flat) - 1, 0).bit_length())
+  padded = np.concatenate([flat, np.broadcast_to(np.eye(3), (n - len(flat), 3, 3))])
+  with jax.enable_x64(True):
+    angles = np.asarray(_euler_degrees(jnp.asarray(padded, jnp.float64), 'ZYX'))
+  return angles[:len(flat)].reshape(R.shape[:-2] + (3,))
+
+
+def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarray, rig: Rig,
+                 fps: float, units: str = DEFAULT_BVH_UNITS) -> bvh.BVHMotion:
+  """The rig animated by `local_rot [T, J, 3, 3]`, root at `root_pos [T, 3]` (metres), on
+  `offsets [J, 3]` (metres), in `units` ('cm' or 'm')."""
+  if units not in BVH_UNITS:
+    raise InputError(f'BVH units must be one of {", ".join(BVH_UNITS)}, got {units!r}')
+  k = 1.0 / BVH_UNITS[units]
+  order = depth_first_order(rig.parents)
+  pos_in_file = {j: i for i, j in enumerate(order)}
+  ends = _end_sites(offsets, rig)
+  joints = []
+  for j in order:
+    p = rig.parents[j]
+    channels = (bvh.POSITION_CHANNELS if p < 0 else ()) + ('Zrotation', 'Yrotation', 'Xrotation')
+    joints.append(bvh.BVHJoint(name=rig.joint_names[j], parent=pos_in_file[p] if p >= 0 else -1,
+                               offset=np.asarray(offsets[j], np.float64) * k, channels=channels,
+                               end_site=None if ends[j] is None else ends[j] * k))
+  angles = euler_zyx_degrees(np.asarray(local_rot)[:, order])  # [T, J, 3]
+  motion = np.concatenate([np.asarray(root_pos, np.float64) * k,
+                           angles.reshape(len(angles), -1)], axis=1)
+  return bvh.BVHMotion(joints=joints, frame_time=1.0 / fps, motion=motion)
+
+
+def _end_sites(offsets: np.ndarray, rig: Rig) -> list[np.ndarray | None]:
+  """Per joint: an End Site offset (metres) for leaves, along the leaf's rest direction."""
+  d = np.asarray(bone_frames_lib.rest_bone_directions(jnp.asarray(offsets, jnp.float32), rig))
+  out = []
+  for j, kids in enumerate(rig.children):
+    length = max(0.5 * float(np.linalg.norm(offsets[j])), _END_SITE_MIN_M)
+    out.append(None if kids else d[j].astype(np.float64) * length)
+  return out
+
+
+def write_solution_bvh(path: str | os.PathLike, sol, rig: Rig, fps: float,
+                       units: str = DEFAULT_BVH_UNITS, overwrite: bool = True) -> None:
+  """`solution_bvh` of a `solver.Solution`, written atomically."""
+  path = check_output(path, overwrite)
+  motion = solution_bvh(sol.local_rot, sol.positions_fk[:, 0], sol.offsets, rig, fps, units)
+  bvh.write_bvh(path, motion)
+
+
+def check_smpl_rig(rig: Rig) -> None:
+  """SMPL pose parameters exist only for the SMPL body topology: refuse any other rig."""
+  if tuple(rig.joint_names) != SMPL22_JOINTS:
+    raise InputError(f'SMPL pose parameters need the smpl22 rig (22 SMPL body joints); this '
+                     f'checkpoint is for {rig.name!r} ({rig.num_joints} joints): write .bvh or '
+                     '.npz instead')
+
+
+def smpl_pose_params(local_rot: np.ndarray, rig: Rig) -> np.ndarray:
+  """`[T, 22, 3, 3]` local rotations of the smpl22 rig -> axis-angle `[T, 66]` (radians), SMPL
+  joint order (root orientation first)."""
+  check_smpl_rig(rig)
+  aa = np.asarray(rotations.axis_angle_from_matrix(jnp.asarray(local_rot, jnp.float32)))
+  return aa.reshape(len(aa), 3 * rig.num_joints)
+
+
+def smpl_arrays(sol, rig: Rig, fps: float) -> dict:
+  poses = smpl_pose_params(sol.local_rot, rig)
+  trans = sol.positions_fk[:, 0] - np.asarray(sol.offsets[0], np.float32)
+  return {'poses': poses, 'root_orient': poses[:, :3], 'pose_body': poses[:, 3:],
+          'trans': trans.astype(np.float32), 'mocap_framerate': np.float32(fps),
+          'joint_names': np.asarray(rig.joint_names),
+          'offsets': np.asarray(sol.offsets, np.float32)}
+
+
+def write_smpl_npz(path: str | os.PathLike, sol, rig: Rig, fps: float,
+                   overwrite: bool = True) -> None:
+  write_npz_atomic(path, smpl_arrays(sol, rig, fps), overwrite)

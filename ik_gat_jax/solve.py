@@ -1,0 +1,255 @@
+r"""Solve joint positions to joint rotations from the command line (DESIGN section 9).
+
+  python -m ik_gat_jax.solve --input=FILE --output=FILE [--checkpoint=DIR] \
+      [--offsets_from=BVH] [--units=m] [--input_axes=x,y,z] [--fps=30] [--estimate_lengths] \
+      [--overwrite] [--plot=PNG --plot_frames=0,10,20] [--clip=GIF_OR_DIR] [--smpl_npz=FILE]
+  ik-gat solve ...                                     (the same, as a console script)
+
+Input by extension: .npz (`positions [T, J, 3]`), .csv (one frame per row, J x 3 columns in
+rig order, header optional), .bvh (joint positions by FK, the file's own rest offsets). Output
+by extension: .bvh (the rig with the subject's offsets, animated; centimetres unless
+--bvh_units=m), .npz (rotations, FK positions, offsets), .smpl.npz (SMPL axis-angle pose
+parameters `[T, 66]`, smpl22 rig only). Every output is written to a temp file and renamed once
+everything succeeded; an existing output is refused without --overwrite; every error is one line
+on stderr with exit status 2. `solve_file` is the same as a library call (no flags read).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+_FLAGS_DEFINED = False
+
+
+def _stderr(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+def output_kind(path: str | Path) -> str:
+  """'bvh', 'smpl' (.smpl.npz) or 'npz' from the output's extension."""
+  name = str(path).lower()
+  if name.endswith('.smpl.npz'):
+    return 'smpl'
+  for ext in ('bvh', 'npz'):
+    if name.endswith('.' + ext):
+      return ext
+  from ik_gat_jax.solver import InputError
+  raise InputError(f'output {path}: unknown format; use .bvh, .npz or .smpl.npz')
+
+
+def parse_frames(spec: str | None, num_frames: int, default: int) -> list[int]:
+  """'0,10,20' or 'start:stop[:step]' -> frame indices; None: `default` evenly spaced frames
+  (a list spec) or the first `default` frames (a range spec is clipped to the clip)."""
+  from ik_gat_jax.solver import InputError
+  if spec is None:
+    return sorted({int(round(x)) for x in np.linspace(0, num_frames - 1, min(default,
+                                                                            num_frames))})
+  try:
+    if ':' in spec:
+      parts = [int(p) if p else None for p in spec.split(':')]
+      frames = list(range(num_frames))[slice(*parts)]
+    else:
+      frames = [int(p) for p in spec.split(',') if p.strip()]
+  except ValueError:
+    raise InputError(f'frames must be like 0,10,20 or 0:60:2, got {spec!r}') from None
+  bad = [t for t in frames if not 0 <= t < num_frames]
+  if bad or not frames:
+    raise InputError(f'frames {bad or spec} outside the clip (0..{num_frames - 1})')
+  return frames
+
+
+def _subject_offsets(source, offsets_from, offsets_units, joint_map, M, rig):
+  """The subject's offsets (metres, rig axes) or None for the template (see solve_file)."""
+  from ik_gat_jax.io import exports
+  if offsets_from is not None:
+    return exports.read_bvh_offsets(offsets_from, rig, joint_map=joint_map, units=offsets_units)
+  if source.offsets is None:
+    return None
+  return source.offsets @ M.T if source.metres_rig else source.offsets
+
+
+def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None = None,
+               rig: str | None = None,
+               offsets_from: str | None = None, offsets_units: str | None = None,
+               joint_map: str | None = None, units: str | None = None,
+               input_axes: str | None = None, fps: float | None = None,
+               estimate_lengths: bool = False, overwrite: bool = False,
+               plot: str | None = None, plot_frames: str | None = None,
+               clip: str | None = None, clip_frames: str | None = None,
+               smpl_npz: str | None = None, bvh_units: str = 'cm',
+               block_size: int | None = None, progress: bool | None = None,
+               latency_frames: int = 0, log: Callable[[str], None] = _stderr) -> dict:
+  """Reads `input`, solves, writes `output` (+ `smpl_npz`, `plot`, `clip`); returns a summary.
+
+  `rig` (a name or rig JSON) refuses a checkpoint for another rig. Offsets (the subject R is
+  relative to): `offsets_from` (a BVH), else the input's own (a BVH's
+  rest offsets, an npz's `offsets`), else the checkpoint's template; `estimate_lengths` rescales
+  them to the input's bone lengths. `units`: metres per input unit (for a BVH: its file units,
+  default the joint map's, or cm for a BVH with the rig's joint names). `input_axes`: the
+  signed input column per rig axis (`solver.parse_input_axes`), applied after units. `fps`:
+  the rate of an npz/csv input (default its `fps`, else 30); a BVH is resampled to it (default:
+  its own rate, DESIGN section 7 resampling). `latency_frames` > 0 adds the single-frame
+  latency (median, p99 ms over that many compiled `step` calls) to the summary.
+  """
+  from ik_gat_jax import solver as solver_lib
+  from ik_gat_jax.io import exports
+  t0 = time.perf_counter()
+  kind = output_kind(output)
+  exports.check_output(output, overwrite)
+  for extra in (smpl_npz, plot, clip):
+    if extra is not None:
+      exports.check_output(extra, overwrite)
+  if not Path(input).is_file():
+    raise FileNotFoundError(f'input {input} does not exist')
+  solver = solver_lib.IKSolver.from_checkpoint(
+      checkpoint, expected_rig=rig, block_size=block_size or solver_lib.DEFAULT_BLOCK)
+  rig = solver.rig
+  if kind == 'smpl' or smpl_npz is not None:
+    exports.check_smpl_rig(rig)  # refuse before solving
+  source = exports.read_positions(input, rig, joint_map=joint_map, bvh_units=units,
+                                  bvh_fps=fps)
+  M = solver_lib.parse_input_axes(input_axes, rig)
+  offsets = _subject_offsets(source, offsets_from, offsets_units, joint_map, M, rig)
+  sol = solver.solve(source.positions, offsets=offsets, estimate_lengths=estimate_lengths,
+                     units=None if source.metres_rig else units, input_axes=M, full=True,
+                     progress=progress)
+  rate = float(fps or source.fps or 30.0)
+  with exports.staged([output, smpl_npz, plot, clip], overwrite) as (out, smpl, png, frames):
+    _write_main(kind, out, sol, rig, rate, bvh_units, solver)
+    if smpl is not None:
+      exports.write_smpl_npz(smpl, sol, rig, rate)
+    _write_pictures(png, frames, sol, rig, rate, plot_frames, clip_frames)
+  err = 1e3 * sol.fk_error_m()
+  summary = {'frames': sol.num_frames, 'rig': rig.name, 'joints': rig.num_joints,
+             'checkpoint': solver.source, 'output': str(output), 'fps': rate,
+             'fk_error_mm_mean': float(err.mean()), 'fk_error_mm_max': float(err.max()),
+             'seconds': time.perf_counter() - t0}
+  if latency_frames > 0:
+    summary['latency'] = solver.latency_stats(n=latency_frames)
+    log(f'single-frame latency over {latency_frames} calls: median '
+        f'{summary["latency"]["median_ms"]:.2f} ms, p99 {summary["latency"]["p99_ms"]:.2f} ms '
+        f'({summary["latency"]["backend"]})')
+  log(f'solved {sol.num_frames} frames ({rig.name}, {rig.num_joints} joints) in '
+      f'{summary["seconds"]:.1f} s -> {output}; |input - FK| mean '
+      f'{summary["fk_error_mm_mean"]:.1f} mm, max {summary["fk_error_mm_max"]:.1f} mm')
+  return summary
+
+
+def _write_main(kind, path, sol, rig, fps, bvh_units, solver) -> None:
+  from ik_gat_jax.io import exports
+  if kind == 'bvh':
+    exports.write_solution_bvh(path, sol, rig, fps, units=bvh_units)
+  elif kind == 'smpl':
+    exports.write_smpl_npz(path, sol, rig, fps)
+  else:
+    exports.write_npz_atomic(path, exports.solution_arrays(
+        sol, rig, fps, {'checkpoint': np.asarray(str(solver.source))}))
+
+
+def _write_pictures(png, frames_out, sol, rig, fps, plot_frames, clip_frames) -> None:
+  if png is None and frames_out is None:
+    return
+  from ik_gat_jax import plots
+  T = sol.num_frames
+  if png is not None:
+    plots.plot_solve_frames(png, sol.positions, sol.positions_fk, rig,
+                            parse_frames(plot_frames, T, 4), sol.bone_aligned_rot)
+  if frames_out is not None:
+    frames = parse_frames(clip_frames or f'0:{min(T, 60)}', T, 60)
+    plots.save_solve_clip(frames_out, sol.positions, sol.positions_fk, rig, frames,
+                          sol.bone_aligned_rot, fps)
+
+
+# ----------------------------------------------------------------------------------------------
+# The absl main. Flags are defined on first use (not at import), so importing this module for
+# `solve_file` does not claim global flag names another main in the same process may own.
+
+
+def define_flags() -> None:
+  global _FLAGS_DEFINED
+  if _FLAGS_DEFINED:
+    return
+  from absl import flags
+  s, b = flags.DEFINE_string, flags.DEFINE_boolean
+  s('input', None, 'Positions: .npz (positions [T,J,3]), .csv (J*3 columns per row) or .bvh.')
+  s('output', None, 'Result: .bvh, .npz, or .smpl.npz (SMPL pose parameters, smpl22 only).')
+  s('checkpoint', None, 'Run or checkpoint directory (default: the shipped checkpoint).')
+  s('rig', None, 'Refuse a checkpoint that is not for this rig (name or rig JSON).')
+  s('offsets_from', None, 'BVH whose rest offsets are the subject (default: the input BVH\'s '
+    'own, an npz\'s `offsets`, else the checkpoint template).')
+  s('offsets_units', None, 'Units of --offsets_from (default as for a BVH input).')
+  s('joint_map', None, 'Joint map (name or JSON) reducing a BVH to the rig (default: by joint '
+    'name, else the rig\'s own joint map).')
+  s('units', None, 'Metres per input unit: m, cm, mm, inch or a number (default m; BVH: the '
+    'joint map\'s, or cm).')
+  s('input_axes', None, 'Signed input column per rig axis, e.g. x,z,-y for z-up data; or unity '
+    '/ unreal (then also --units=cm for Unreal).')
+  flags.DEFINE_float('fps', None, 'Frame rate of an npz/csv input (default: its `fps`, else '
+                     '30); a BVH input is resampled to it (default: its own rate).')
+  b('estimate_lengths', False, 'Bone lengths from the input (directions from the offsets).')
+  b('overwrite', False, 'Replace existing outputs.')
+  s('plot', None, 'PNG of input joints vs solved skeleton for --plot_frames.')
+  s('plot_frames', None, 'Frames for --plot, e.g. 0,10,20 (default: 4 evenly spaced).')
+  s('clip', None, 'Short clip: .gif, or a directory of frame_NNNN.png.')
+  s('clip_frames', None, 'Frames for --clip as start:stop[:step] (default 0:60).')
+  s('smpl_npz', None, 'Also write SMPL pose parameters [T, 66] here (smpl22 rig).')
+  flags.DEFINE_enum('bvh_units', 'cm', ['cm', 'm'], 'Units of an output BVH.')
+  flags.DEFINE_integer('block_size', None, 'Frames per compiled chunk (default 1024).')
+  flags.DEFINE_integer('latency_frames', 0, 'Also report single-frame latency (median, p99) '
+                       'over this many streamed frames.')
+  _FLAGS_DEFINED = True
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise SystemExit(f'error: unexpected arguments {argv[1:]}; flags look like --input=FILE')
+  from absl import flags, logging
+  from ik_gat_jax import checkpointing
+  F = flags.FLAGS
+  if not F['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)
+  try:
+    for name in ('input', 'output'):
+      if F[name].value is None:
+        raise ValueError(f'--{name} is required')
+    with warnings.catch_warnings():
+      warnings.simplefilter('always')
+      warnings.showwarning = lambda msg, *a, **k: _stderr(f'warning: {msg}')
+      solve_file(F.input, F.output, checkpoint=F.checkpoint, rig=F.rig, offsets_from=F.offsets_from,
+                 offsets_units=F.offsets_units, joint_map=F.joint_map, units=F.units,
+                 input_axes=F.input_axes, fps=F.fps, estimate_lengths=F.estimate_lengths,
+                 overwrite=F.overwrite, plot=F.plot, plot_frames=F.plot_frames, clip=F.clip,
+                 clip_frames=F.clip_frames, smpl_npz=F.smpl_npz, bvh_units=F.bvh_units,
+                 block_size=F.block_size, latency_frames=F.latency_frames)
+  except (ValueError, KeyError, OSError, checkpointing.CheckpointError) as e:
+    text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip()
+    _stderr(f'error: {text.splitlines()[0] if text else type(e).__name__}')
+    sys.exit(2)
+
+
+def run(argv: list[str] | None = None) -> int:
+  """Parses `argv` (argv[0] = program name) and runs `main`; returns the exit status."""
+  from absl import app, flags
+  argv = list(sys.argv if argv is None else argv)
+  define_flags()
+  if any(a in ('-h', '--help', '-help', '--helpshort') for a in argv[1:]):
+    print(__doc__.strip() + '\n\nflags:\n' + flags.FLAGS.module_help(sys.modules[__name__]))
+    return 0
+  try:
+    app.run(main, argv=argv)
+  except SystemExit as e:
+    if isinstance(e.code, str):
+      _stderr(e.code)
+      return 2
+    return int(e.code or 0)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(run())

@@ -1,0 +1,574 @@
+"""IKSolver: a trained checkpoint as a product. Joint positions in, joint rotations out.
+
+  solver = IKSolver.from_checkpoint()        # the shipped default, or a run / checkpoint dir
+  local = solver.solve(positions)             # [T, J, 3] -> [T, J, 3, 3]; [J, 3] -> [J, 3, 3]
+  sol = solver.solve(positions, full=True)    # + global, bone-aligned Q, FK positions
+  R = solver.step(frame)                      # one live frame, compiled once
+  stats = solver.latency_stats(n=200)         # single-frame median / p99 ms
+
+Frames and units (DESIGN section 2): positions are world joint positions `p_world_joint` in the
+rig's joint order, in metres, in the rig's world axes (`rig.up`, `rig.forward`); `units` and
+`input_axes` convert other data first. Outputs: `local_rot` R_j (parent-relative; the root's is
+its world rotation), `global_rot` G_j (world), `bone_aligned_rot` Q_j = G_j @ B_j (world),
+`positions_fk` = FK of R on the subject's rest offsets with the root at the input root.
+
+Offsets. R is relative to one subject's rest offsets `o_j` (metres, each in its parent's frame):
+given, read from a BVH, or the checkpoint rig's template; `estimate_lengths=True` keeps their
+directions and takes each bone's length from the input (median over frames; directions never
+come from the input, which shows a posed body). The bone frames B come from these offsets, so
+the output BVH, written with exactly these offsets, reproduces `positions_fk`.
+
+Compilation. One jitted forward (model merged, deterministic) over `[b, J, 3]` with b a bucket:
+1, 2, 4, ... up to `block_size` (a power-of-two ladder, ending at `block_size`). A batch is
+padded (by repeating its last frame) to its bucket, so a live stream of single frames or small
+batches compiles at most once per bucket. Clips longer than `block_size` run in chunks of
+`block_size` (device memory bounded by one block) with a progress bar on stderr.
+
+Input checks (`check_positions`, `check_plausibility`): wrong shape or joint count and NaN/inf
+raise `InputError` (a ValueError) naming the expected joints or the frame and joint; bone
+lengths ~100x (or 0.01x) the template's and a head below the pelvis on average warn with the
+likely fix (`--units`, `--input_axes`). `step` runs only the cheap hard checks (shape, finite).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ik_gat_jax import bone_frames as bone_frames_lib
+from ik_gat_jax import kinematics
+from ik_gat_jax.skeleton import Rig, RigError, get_rig, rest_positions_np
+
+DEFAULT_BLOCK = 1024
+UNITS = {'m': 1.0, 'cm': 0.01, 'mm': 0.001, 'inch': 0.0254, 'in': 0.0254}
+# Signed axis maps of common engines onto a right-handed, y-up, z-forward, x-left world (the
+# built-in rigs' world): Unity is y-up, z-forward, left-handed (x = the body's right);
+# Unreal is z-up, x-forward, y-right, left-handed (and in centimetres: --units=cm).
+AXIS_PRESETS = {'unity': '-x,y,z', 'unreal': '-y,z,x'}
+_UNIT_WARN_RATIO = 4.0  # median bone length this far from the template's: likely units problem
+
+
+class InputError(ValueError):
+  """Positions, offsets or files the solver cannot use, with the reason and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Units and axes.
+
+
+def parse_units(units: str | float | None) -> float:
+  """Metres per input unit: a number, or one of m, cm, mm, inch (in). None: metres."""
+  if units is None:
+    return 1.0
+  if isinstance(units, str) and units.strip().lower() in UNITS:
+    return UNITS[units.strip().lower()]
+  try:
+    value = float(units)
+  except (TypeError, ValueError):
+    raise InputError(f'--units must be metres per input unit (a number) or one of '
+                     f'{", ".join(UNITS)}; got {units!r}') from None
+  if not (math.isfinite(value) and value > 0):
+    raise InputError(f'--units must be a positive number of metres per unit, got {units!r}')
+  return value
+
+
+def parse_input_axes(spec: str | np.ndarray | None, rig: Rig | None = None) -> np.ndarray:
+  """`M [3, 3]` with `p_rig = M @ p_input`.
+
+  `spec` 'a,b,c' names, for rig axes x, y, z in turn, the signed input column each takes:
+  'x,z,-y' means rig x = input x, rig y = input z, rig z = -input y (z-up data into a y-up
+  rig). A reflection (det -1, left-handed engines) is allowed. Presets 'unity' and 'unreal' map
+  those engines' conventions onto a y-up, z-forward, x-left world and then onto `rig`'s
+  up/forward. None: identity.
+  """
+  if spec is None:
+    return np.eye(3)
+  if not isinstance(spec, str):
+    M = np.asarray(spec, np.float64)
+    if M.shape != (3, 3) or not np.allclose(np.abs(M @ M.T), np.eye(3), atol=1e-6):
+      raise InputError(f'input_axes must be a signed permutation matrix [3, 3], got {M}')
+    return M
+  key = spec.strip().lower()
+  if key in AXIS_PRESETS:
+    return _canonical_to_rig(rig) @ parse_input_axes(AXIS_PRESETS[key])
+  parts = [p.strip() for p in key.split(',')]
+  if len(parts) != 3 or not all(re.fullmatch(r'[+-]?[xyz]', p) for p in parts):
+    raise InputError(f"--input_axes must be three signed axes like 'x,z,-y' (or one of "
+                     f"{', '.join(AXIS_PRESETS)}), got {spec!r}")
+  if sorted(p[-1] for p in parts) != ['x', 'y', 'z']:
+    raise InputError(f'--input_axes must use each of x, y, z once, got {spec!r}')
+  M = np.zeros((3, 3))
+  for row, p in enumerate(parts):
+    M[row, 'xyz'.index(p[-1])] = -1.0 if p.startswith('-') else 1.0
+  return M
+
+
+def _canonical_to_rig(rig: Rig | None) -> np.ndarray:
+  """Rotation from the y-up, z-forward, x-left world to `rig`'s (identity for the built-ins)."""
+  if rig is None:
+    return np.eye(3)
+  up, fw = np.asarray(rig.up), np.asarray(rig.forward)
+  return np.stack([np.cross(up, fw), up, fw], axis=1)  # columns: images of x, y, z
+
+
+def _axes_text(M: np.ndarray) -> str:
+  """The 'a,b,c' spelling of a signed permutation matrix."""
+  out = []
+  for row in M:
+    k = int(np.argmax(np.abs(row)))
+    out.append(('-' if row[k] < 0 else '') + 'xyz'[k])
+  return ','.join(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks.
+
+
+def check_positions(positions, rig: Rig) -> tuple[np.ndarray, bool]:
+  """Shape and finiteness: `[T, J, 3]` or `[J, 3]` -> (`[T, J, 3]` float64, was_single_frame)."""
+  try:
+    arr = np.asarray(positions, dtype=np.float64)
+  except (TypeError, ValueError) as e:
+    raise InputError(f'positions are not a numeric array: {e}') from None
+  J = rig.num_joints
+  single = arr.ndim == 2
+  if arr.ndim not in (2, 3) or arr.shape[-1] != 3 or arr.shape[-2] != J:
+    got = (f'{arr.shape[-2]} joints' if arr.ndim in (2, 3) and arr.shape[-1] == 3
+           else f'shape {arr.shape}')
+    raise InputError(f'expected positions [T, {J}, 3] or [{J}, 3] in the joint order of rig '
+                     f'{rig.name!r} ({", ".join(rig.joint_names)}); got {got}')
+  arr = arr[None] if single else arr
+  if arr.shape[0] == 0:
+    raise InputError('no frames to solve (positions have T = 0)')
+  check_finite(arr, rig)
+  return arr, single
+
+
+def check_finite(arr: np.ndarray, rig: Rig, what: str = 'positions') -> None:
+  """Raises naming the first non-finite frame and joint of `arr [T, J, 3]`."""
+  bad = ~np.isfinite(arr).all(axis=-1)
+  if bad.any():
+    t, j = (int(i[0]) for i in np.nonzero(bad))
+    raise InputError(f'{what} contain NaN/inf: frame {t}, joint {j} ({rig.joint_names[j]}) is '
+                     f'{arr[t, j].tolist()} ({int(bad.sum())} bad joint entries in '
+                     f'{int(bad.any(-1).sum())} frames); fill or drop those frames first')
+
+
+def _real_bones(rig: Rig) -> np.ndarray:
+  """Joints whose template bone (to the parent) has length: the ones bone lengths compare on."""
+  tmpl = rig.template()
+  return np.asarray([j for j, p in enumerate(rig.parents)
+                     if p >= 0 and np.linalg.norm(tmpl[j]) > 1e-6])
+
+
+def bone_lengths(positions: np.ndarray, rig: Rig) -> np.ndarray:
+  """`[T, J, 3]` -> `[T, J]` distance of each joint to its parent (root: 0)."""
+  parents = np.asarray([max(p, 0) for p in rig.parents])
+  return np.linalg.norm(positions - positions[:, parents], axis=-1)
+
+
+def length_ratio(lengths: np.ndarray, rig: Rig) -> float:
+  """Median over the rig's real bones of `lengths [J]` / the template's bone lengths."""
+  bones = _real_bones(rig)
+  tmpl = np.linalg.norm(rig.template()[bones], axis=-1)
+  return float(np.median(lengths[bones] / tmpl))
+
+
+def units_hint(ratio: float, scale: float) -> str:
+  """The `--units` that would bring a length ratio to ~1, named when it is a known unit."""
+  want = scale / ratio
+  name = min(UNITS, key=lambda k: abs(math.log(UNITS[k] / want)))
+  if abs(math.log(UNITS[name] / want)) < math.log(1.3):
+    label = {'m': 'metres', 'cm': 'centimetres', 'mm': 'millimetres',
+             'inch': 'inches', 'in': 'inches'}[name]
+    return f'looks like {label}: pass --units={name}'
+  return f'pass --units={want:.4g} (metres per input unit)'
+
+
+def check_plausibility(positions: np.ndarray, rig: Rig, scale: float = 1.0) -> list[str]:
+  """Warns (`warnings.warn`, also returned) on likely unit or axis problems.
+
+  `positions [T, J, 3]` in metres (after `scale` metres per unit was applied), rig axes.
+  Needs the rig's template; without one nothing is checked.
+  """
+  try:
+    rig.template()
+  except RigError:
+    return []
+  msgs = []
+  ratio = length_ratio(np.median(bone_lengths(positions, rig), axis=0), rig)
+  if ratio < 1e-9:
+    msgs.append('bone lengths are ~0: every joint sits at the same place?')
+  elif not 1 / _UNIT_WARN_RATIO < ratio < _UNIT_WARN_RATIO:
+    msgs.append(f'bone lengths are {ratio:.3g}x the template\'s ({rig.name}): '
+                f'{units_hint(ratio, scale)}')
+  msgs += _check_up(positions, rig)
+  for m in msgs:
+    warnings.warn(m, stacklevel=3)
+  return msgs
+
+
+def _top_joint(rig: Rig) -> int:
+  """The joint highest above the root at rest (the head)."""
+  rest = rest_positions_np(rig.template(), rig.parents)
+  return int(np.argmax((rest - rest[0]) @ np.asarray(rig.up)))
+
+
+def _check_up(positions: np.ndarray, rig: Rig) -> list[str]:
+  """The mean head - root vector should point up: warn when it is below, or over 60 degrees
+  off (the input's up is another axis; fine for a clip that lies down throughout)."""
+  head = _top_joint(rig)
+  v = np.mean(positions[:, head] - positions[:, 0], axis=0)
+  up = np.asarray(rig.up)
+  n = np.linalg.norm(v)
+  if n < 1e-9 or float(v @ up) >= 0.5 * n:
+    return []
+  where = ('below the' if float(v @ up) < 0 else
+           f'{math.degrees(math.acos(float(v @ up) / n)):.0f} degrees off up from the')
+  k = int(np.argmax(np.abs(v)))  # the input axis that points up: suggest the map to rig up
+  M = _suggest_axes(k, float(np.sign(v[k])), rig)
+  return [f'up axis looks wrong: the {rig.joint_names[head]} is {where} '
+          f'{rig.joint_names[0]} on average (rig up is {_axes_text(up[None])}); pass '
+          f'--input_axes (e.g. --input_axes={_axes_text(M)} if input {"-" if v[k] < 0 else "+"}'
+          f'{"xyz"[k]} is up)']
+
+
+def _suggest_axes(k: int, sign: float, rig: Rig) -> np.ndarray:
+  """A proper rotation (signed permutation) taking input axis `sign * e_k` to the rig's up."""
+  up = np.asarray(rig.up)
+  u = int(np.argmax(np.abs(up)))
+  src = np.zeros(3)
+  src[k] = sign
+  # Rotate src onto e_u (90 or 180 degrees about a principal axis), then to up's sign.
+  for spec in ('x,y,z', 'x,z,-y', 'x,-z,y', 'z,y,-x', '-z,y,x', 'y,-x,z', '-y,x,z',
+               'x,-y,-z', '-x,y,-z', '-x,-y,z'):
+    M = parse_input_axes(spec)
+    if np.allclose(M @ src, np.sign(up[u]) * np.eye(3)[u]):
+      return M
+  return np.eye(3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Offsets.
+
+
+def check_offsets(offsets, rig: Rig) -> np.ndarray:
+  """A subject's rest offsets `[J, 3]` (metres, parent frames): shape, finite, real bones."""
+  try:
+    off = np.asarray(offsets, dtype=np.float64)
+  except (TypeError, ValueError) as e:
+    raise InputError(f'offsets are not a numeric array: {e}') from None
+  if off.shape != (rig.num_joints, 3):
+    raise InputError(f'offsets must be [{rig.num_joints}, 3] in the joint order of rig '
+                     f'{rig.name!r} ({", ".join(rig.joint_names)}); got shape {off.shape}')
+  check_finite(off[None], rig, 'offsets')
+  for j, c in enumerate(rig.designated_children):
+    if c >= 0 and np.linalg.norm(off[c]) <= 1e-6:
+      raise InputError(f'offsets: bone {rig.joint_names[j]} -> {rig.joint_names[c]} has zero '
+                       'length, so its rest direction (and bone frame) is undefined')
+  return off
+
+
+def estimate_offsets(positions: np.ndarray, base_offsets: np.ndarray, rig: Rig) -> np.ndarray:
+  """Directions of `base_offsets [J, 3]`, lengths = median observed bone lengths of
+  `positions [T, J, 3]` (metres). Co-located joints stay co-located; the root row is kept."""
+  observed = np.median(bone_lengths(positions, rig), axis=0)
+  out = np.array(base_offsets, np.float64)
+  for j, p in enumerate(rig.parents):
+    n = np.linalg.norm(out[j])
+    if p < 0 or n <= 1e-6:
+      continue
+    if observed[j] <= 1e-6:
+      warnings.warn(f'bone {rig.joint_names[p]} -> {rig.joint_names[j]} has zero length in the '
+                    'input; keeping its template length', stacklevel=3)
+      continue
+    out[j] *= observed[j] / n
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Results and the compiled forward.
+
+
+@dataclasses.dataclass
+class Solution:
+  """A solved clip, numpy float32, frames `[T, ...]` (metres; world = the rig's world axes).
+
+  Attributes:
+    local_rot: `[T, J, 3, 3]` R_j, parent-relative (root: world rotation).
+    global_rot: `[T, J, 3, 3]` G_j, world.
+    bone_aligned_rot: `[T, J, 3, 3]` Q_j = G_j @ B_j, world.
+    positions_fk: `[T, J, 3]` FK of `local_rot` on `offsets`, root at the input root.
+    positions: `[T, J, 3]` the input after units/axes conversion (what was solved).
+    offsets: `[J, 3]` the subject's rest offsets R is relative to.
+    bone_frames: `[J, 3, 3]` B from `offsets`.
+  """
+  local_rot: np.ndarray
+  global_rot: np.ndarray
+  bone_aligned_rot: np.ndarray
+  positions_fk: np.ndarray
+  positions: np.ndarray
+  offsets: np.ndarray
+  bone_frames: np.ndarray
+
+  @property
+  def num_frames(self) -> int:
+    return int(self.local_rot.shape[0])
+
+  def fk_error_m(self) -> np.ndarray:
+    """`[T, J]` distance between the input and the FK positions (metres)."""
+    return np.linalg.norm(self.positions_fk - self.positions, axis=-1)
+
+
+def bucket_sizes(block_size: int) -> tuple[int, ...]:
+  """1, 2, 4, ... below `block_size`, then `block_size`."""
+  if block_size < 1:
+    raise ValueError(f'block_size must be >= 1, got {block_size}')
+  sizes = [1 << k for k in range(block_size.bit_length()) if (1 << k) < block_size]
+  return tuple(sizes) + (block_size,)
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+  """The smallest bucket holding `n` frames (n <= the largest bucket)."""
+  return next(b for b in buckets if b >= n)
+
+
+def _make_forward(graphdef, rig: Rig, counter: list[int]):
+  """jit((state, positions [b, J, 3], offsets [J, 3], B [J, 3, 3]), full static) -> dict."""
+  from ik_gat_jax import train  # the one inference path (train.ikgat_infer); heavy import
+
+  def forward(state, positions, offsets, B, full):
+    counter[0] += 1  # runs at trace time only: counts compilations
+    model = nnx.merge(graphdef, state)
+    local = train.ikgat_infer(model, {'positions': positions, 'bone_frames': B[None]}, rig=rig)
+    if not full:
+      return {'local_rot': local}
+    G, p = kinematics.forward_kinematics(local, offsets, rig.parents, root_pos=positions[:, 0])
+    return {'local_rot': local, 'global_rot': G, 'bone_aligned_rot': G @ B, 'positions_fk': p}
+
+  return jax.jit(forward, static_argnums=4)
+
+
+class _ProgressBar:
+  """A carriage-return bar on stderr: frames done, percent, frames/s."""
+
+  def __init__(self, total: int, enabled: bool, stream=None):
+    self.total, self.enabled, self.stream = total, enabled, stream or sys.stderr
+    self.start = time.perf_counter()
+
+  def update(self, done: int) -> None:
+    if not self.enabled:
+      return
+    frac = done / max(self.total, 1)
+    bar = '#' * int(30 * frac) + '.' * (30 - int(30 * frac))
+    rate = done / max(time.perf_counter() - self.start, 1e-9)
+    self.stream.write(f'\rsolving [{bar}] {done:,}/{self.total:,} frames {100 * frac:3.0f}% '
+                      f'{rate:,.0f} frames/s')
+    self.stream.flush()
+    if done >= self.total:
+      self.stream.write('\n')
+
+
+# ----------------------------------------------------------------------------------------------
+# The solver.
+
+
+class IKSolver:
+  """A trained IK model ready to solve: positions `[T, J, 3]` -> rotations (module docstring).
+
+  Holds the model's state, the rig, the default subject offsets and one jitted forward; no
+  other state between calls.
+  """
+
+  def __init__(self, model, meta: dict | None = None, *, offsets=None,
+               block_size: int = DEFAULT_BLOCK, source: str | None = None):
+    self.rig: Rig = model.rig
+    self.meta = meta or {}
+    self.source = source
+    self.block_size = int(block_size)
+    self.buckets = bucket_sizes(self.block_size)
+    self.offsets = (check_offsets(offsets, self.rig) if offsets is not None
+                    else self._template_offsets())
+    graphdef, self._state = nnx.split(model)
+    self._traces = [0]
+    self._forward = _make_forward(graphdef, self.rig, self._traces)
+    self._frames_cache: dict[bytes, tuple] = {}
+
+  @classmethod
+  def from_checkpoint(cls, path: str | os.PathLike | None = None, *, offsets=None,
+                      offsets_from: str | os.PathLike | None = None,
+                      expected_rig: Rig | str | None = None, block_size: int = DEFAULT_BLOCK,
+                      joint_map: str | None = None, bvh_units: str | float | None = None
+                      ) -> 'IKSolver':
+    """Loads a run directory or checkpoint (None: `evaluation.SHIPPED_IKGAT`).
+
+    `offsets [J, 3]` (metres) or `offsets_from` (a BVH: its rest offsets reduced to the rig,
+    `joint_map`/`bvh_units` as for BVH input, `io.exports.read_bvh_offsets`) set the default
+    subject; otherwise the checkpoint rig's template. `expected_rig` refuses a checkpoint for
+    another rig (CheckpointError).
+    """
+    from ik_gat_jax import checkpointing, train
+    if path is None:
+      from ik_gat_jax.evaluation import SHIPPED_IKGAT
+      if not Path(SHIPPED_IKGAT).is_dir():
+        raise checkpointing.CheckpointError(
+            f'no --checkpoint given and the shipped default {SHIPPED_IKGAT} does not exist yet: '
+            'pass --checkpoint=RUN_OR_CHECKPOINT_DIR (a training workdir works)')
+      path = SHIPPED_IKGAT
+    if isinstance(expected_rig, str):
+      expected_rig = get_rig(expected_rig)
+    model, meta = train.load_model(path, expected_rig=expected_rig)
+    if offsets_from is not None:
+      if offsets is not None:
+        raise InputError('give offsets or offsets_from, not both')
+      from ik_gat_jax.io import exports
+      offsets = exports.read_bvh_offsets(offsets_from, model.rig, joint_map=joint_map,
+                                         units=bvh_units)
+    return cls(model, meta, offsets=offsets, block_size=block_size, source=str(path))
+
+  # -- offsets ------------------------------------------------------------------------------
+
+  def _template_offsets(self) -> np.ndarray:
+    try:
+      return check_offsets(self.rig.template(), self.rig)
+    except RigError:
+      raise InputError(f'rig {self.rig.name!r} of this checkpoint has no template offsets: '
+                       'give the subject\'s offsets (or --offsets_from=BVH)') from None
+
+  def resolve_offsets(self, positions: np.ndarray | None = None, offsets=None,
+                      estimate_lengths: bool = False) -> np.ndarray:
+    """The subject for one solve: `offsets` or the solver's default, bone lengths from
+    `positions [T, J, 3]` (metres, rig axes) when `estimate_lengths`."""
+    off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
+    if estimate_lengths:
+      if positions is None:
+        raise InputError('estimate_lengths needs the input positions')
+      off = check_offsets(estimate_offsets(positions, off, self.rig), self.rig)
+    return off
+
+  def _device_subject(self, offsets: np.ndarray) -> tuple[jax.Array, jax.Array, np.ndarray]:
+    """(offsets, B) on device, float32, and B float64 on the host; cached per subject."""
+    key = np.asarray(offsets, np.float64).tobytes()
+    if key not in self._frames_cache:
+      B = bone_frames_lib.bone_frames_np(offsets, self.rig)
+      if len(self._frames_cache) > 16:
+        self._frames_cache.clear()
+      self._frames_cache[key] = (jnp.asarray(offsets, jnp.float32),
+                                 jnp.asarray(B, jnp.float32), B)
+    return self._frames_cache[key]
+
+  # -- inputs -------------------------------------------------------------------------------
+
+  def prepare(self, positions, *, units: str | float | None = None,
+              input_axes: str | np.ndarray | None = None,
+              check: bool = True) -> tuple[np.ndarray, bool]:
+    """Checks and converts input positions to `[T, J, 3]` metres in rig axes (module doc)."""
+    arr, single = check_positions(positions, self.rig)
+    scale = parse_units(units)
+    M = parse_input_axes(input_axes, self.rig)
+    arr = (arr * scale) @ M.T
+    if check:
+      check_plausibility(arr, self.rig, scale)
+    return arr, single
+
+  # -- solving ------------------------------------------------------------------------------
+
+  def _run(self, pos: np.ndarray, subject, full: bool) -> dict[str, np.ndarray]:
+    """One chunk `[n <= block, J, 3]` through its bucket; outputs trimmed to n, numpy."""
+    n = pos.shape[0]
+    b = bucket_for(n, self.buckets)
+    if b > n:
+      pos = np.concatenate([pos, np.repeat(pos[-1:], b - n, axis=0)])
+    off, B, _ = subject
+    out = self._forward(self._state, jnp.asarray(pos, jnp.float32), off, B, full)
+    return {k: np.asarray(v)[:n] for k, v in out.items()}
+
+  def solve(self, positions, *, offsets=None, estimate_lengths: bool = False,
+            units: str | float | None = None, input_axes: str | np.ndarray | None = None,
+            full: bool = False, check: bool = True, progress: bool | None = None):
+    """Solves a clip `[T, J, 3]` or one frame `[J, 3]` (rig joint order).
+
+    Returns local rotations `[T, J, 3, 3]` (`[J, 3, 3]` for one frame), float32 numpy; with
+    `full=True` a `Solution` (always with the frame axis). `progress`: None shows a bar on
+    stderr when T > block_size. Raises InputError; warns on likely unit/axis problems.
+    """
+    pos, single = self.prepare(positions, units=units, input_axes=input_axes, check=check)
+    off = self.resolve_offsets(pos, offsets, estimate_lengths)
+    subject = self._device_subject(off)
+    out = self._solve_chunks(pos, subject, full, progress)
+    if not full:
+      return out['local_rot'][0] if single else out['local_rot']
+    return Solution(positions=pos.astype(np.float32), offsets=off,
+                    bone_frames=subject[2], **out)
+
+  def _solve_chunks(self, pos: np.ndarray, subject, full: bool,
+                    progress: bool | None) -> dict[str, np.ndarray]:
+    T, J = pos.shape[:2]
+    shapes = {'local_rot': (J, 3, 3)}
+    if full:
+      shapes.update(global_rot=(J, 3, 3), bone_aligned_rot=(J, 3, 3), positions_fk=(J, 3))
+    out = {k: np.empty((T,) + s, np.float32) for k, s in shapes.items()}
+    bar = _ProgressBar(T, T > self.block_size if progress is None else progress)
+    for start in range(0, T, self.block_size):
+      chunk = self._run(pos[start:start + self.block_size], subject, full)
+      for k, v in chunk.items():
+        out[k][start:start + len(v)] = v
+      bar.update(min(start + self.block_size, T))
+    return out
+
+  def step(self, frame, offsets=None) -> np.ndarray:
+    """One live frame `[J, 3]` (metres, rig axes) -> local rotations `[J, 3, 3]`.
+
+    Only the cheap checks (shape, finite); compiled once (bucket 1).
+    """
+    pos, _ = check_positions(frame, self.rig)
+    if pos.shape[0] != 1:
+      raise InputError(f'step takes one frame [{self.rig.num_joints}, 3], got {pos.shape[0]}')
+    off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
+    return self._run(pos, self._device_subject(off), False)['local_rot'][0]
+
+  def solve_stream(self, frames: Iterable, offsets=None) -> Iterator[np.ndarray]:
+    """Per item of `frames` (`[J, 3]` or a small batch `[b, J, 3]`, b <= block_size): its local
+    rotations, same leading shape. Stateless: each item is solved on its own."""
+    off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
+    subject = self._device_subject(off)
+    for item in frames:
+      pos, single = check_positions(item, self.rig)
+      if pos.shape[0] > self.block_size:
+        raise InputError(f'a stream item holds {pos.shape[0]} frames, more than block_size '
+                         f'{self.block_size}; use solve() for clips')
+      local = self._run(pos, subject, False)['local_rot']
+      yield local[0] if single else local
+
+  @property
+  def trace_count(self) -> int:
+    """How many times the forward was traced (compiled): once per bucket and `full`."""
+    return self._traces[0]
+
+  def latency_stats(self, n: int = 200, warmup: int = 5, frame=None) -> dict[str, float]:
+    """Single-frame `step` latency (numpy in -> numpy out, compiled, synchronous), ms."""
+    frame = (rest_positions_np(self.offsets, self.rig.parents) if frame is None
+             else np.asarray(frame, np.float64))
+    for _ in range(warmup):
+      self.step(frame)
+    times = []
+    for _ in range(n):
+      t = time.perf_counter()
+      self.step(frame)
+      times.append(time.perf_counter() - t)
+    ms = 1e3 * np.asarray(times)
+    return {'n': int(n), 'median_ms': float(np.median(ms)),
+            'p99_ms': float(np.percentile(ms, 99)), 'mean_ms': float(ms.mean()),
+            'frames_per_s': float(1e3 / np.median(ms)), 'backend': jax.default_backend()}

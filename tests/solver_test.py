@@ -1,0 +1,345 @@
+"""Tests for ik_gat_jax.solver (IKSolver, checks, buckets, streaming) and ik_gat_jax.io.exports.
+
+The checkpoints are untrained tiny models saved in the trainer's format (seconds, no data
+needed); what is tested is the plumbing (shapes, frames, FK consistency, files), not accuracy.
+"""
+
+import io
+import warnings
+
+import numpy as np
+import pytest
+from scipy.spatial.transform import Rotation
+
+from ik_gat_jax import rotations
+from ik_gat_jax import skeleton
+from ik_gat_jax.io import bvh
+from ik_gat_jax.io import exports
+from ik_gat_jax.solver import IKSolver, InputError, bucket_sizes, parse_input_axes
+
+_CHECKPOINTS = {}
+
+
+def tiny_checkpoint(tmp_path_factory, rig_name: str = 'cmu_body'):
+  """An untrained tiny IK-GAT for `rig_name`, saved as `train` saves one (built once)."""
+  if rig_name not in _CHECKPOINTS:
+    from flax import nnx
+    from experiments.configs import test as test_config
+    from ik_gat_jax import checkpointing, train
+    config = test_config.get_config()
+    rig = skeleton.get_rig(rig_name)
+    model = train.IKGAT_TASK.build(config, rig, nnx.Rngs(0), None)
+    _, params, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    path = tmp_path_factory.mktemp(f'ckpt_{rig_name}')
+    checkpointing.Checkpointer(path, max_to_keep=1).save(
+        0, {'params': params, 'rest': rest},
+        train.checkpoint_meta(config, rig, train.IKGAT_TASK, {}, {}))
+    _CHECKPOINTS[rig_name] = path
+  return _CHECKPOINTS[rig_name]
+
+
+_SOLVERS = {}
+
+
+def get_solver(tmp_path_factory, rig_name: str = 'cmu_body') -> IKSolver:
+  if rig_name not in _SOLVERS:
+    _SOLVERS[rig_name] = IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory, rig_name))
+  return _SOLVERS[rig_name]
+
+
+@pytest.fixture(scope='module')
+def solver(tmp_path_factory):
+  return get_solver(tmp_path_factory)
+
+
+def fk_np(R, offsets, parents, root):
+  """Naive numpy FK: `R [T, J, 3, 3]`, `offsets [J, 3]`, `root [T, 3]` -> (G, p)."""
+  T, J = R.shape[:2]
+  G, p = np.zeros((T, J, 3, 3)), np.zeros((T, J, 3))
+  for j, par in enumerate(parents):
+    if par < 0:
+      G[:, j], p[:, j] = R[:, j], root
+    else:
+      G[:, j] = G[:, par] @ R[:, j]
+      p[:, j] = p[:, par] + G[:, par] @ offsets[j]
+  return G, p
+
+
+def random_rotations(shape, scale, seed):
+  aa = np.random.default_rng(seed).normal(scale=scale, size=tuple(shape) + (3,))
+  return Rotation.from_rotvec(aa.reshape(-1, 3)).as_matrix().reshape(tuple(shape) + (3, 3))
+
+
+def posed_clip(rig, offsets, T=6, seed=0, scale=0.4):
+  """Positions `[T, J, 3]` (metres) of random moderate poses on `offsets`, root moving."""
+  R = random_rotations((T, rig.num_joints), scale, seed)
+  root = np.asarray(offsets[0]) + np.random.default_rng(seed).normal(scale=0.2, size=(T, 3))
+  return fk_np(R, np.asarray(offsets, np.float64), rig.parents, root)[1]
+
+
+def test_solve_one_frame_and_clip(solver):
+  pos = posed_clip(solver.rig, solver.offsets)
+  J = solver.rig.num_joints
+  R = solver.solve(pos)
+  R1 = solver.solve(pos[2])
+  assert R.shape == (len(pos), J, 3, 3) and R1.shape == (J, 3, 3)
+  np.testing.assert_allclose(R1, R[2], atol=2e-5)  # padding to a bucket changes nothing
+  np.testing.assert_allclose(R @ np.swapaxes(R, -1, -2), np.broadcast_to(np.eye(3), R.shape),
+                             atol=1e-5)
+
+
+def test_full_solution_is_consistent(solver):
+  pos = posed_clip(solver.rig, solver.offsets, T=5, seed=1)
+  sol = solver.solve(pos, full=True)
+  G, p = fk_np(sol.local_rot.astype(np.float64), sol.offsets, solver.rig.parents, pos[:, 0])
+  np.testing.assert_allclose(p, sol.positions_fk, atol=1e-5)
+  np.testing.assert_allclose(G, sol.global_rot, atol=1e-5)
+  np.testing.assert_allclose(sol.global_rot @ sol.bone_frames.astype(np.float32),
+                             sol.bone_aligned_rot, atol=1e-5)
+  np.testing.assert_allclose(sol.positions_fk[:, 0], pos[:, 0], atol=1e-6)
+  assert sol.fk_error_m().shape == (5, solver.rig.num_joints)
+
+
+def test_estimate_lengths_keeps_template_directions(solver):
+  rig = solver.rig
+  subject = solver.offsets * 1.15
+  pos = posed_clip(rig, subject, T=4, seed=2)
+  off = solver.resolve_offsets(pos, estimate_lengths=True)
+  real = np.linalg.norm(solver.offsets, axis=-1) > 1e-6
+  real[0] = False
+  np.testing.assert_allclose(off[real], subject[real], rtol=1e-4, atol=1e-6)
+  dirs = lambda o: o[real] / np.linalg.norm(o[real], axis=-1, keepdims=True)  # noqa: E731
+  np.testing.assert_allclose(dirs(off), dirs(solver.offsets), atol=1e-9)
+  sol = solver.solve(pos, estimate_lengths=True, full=True)
+  np.testing.assert_allclose(sol.offsets, off)
+
+
+@pytest.mark.parametrize('units', ['cm', 'm'])
+def test_bvh_write_read_fk_matches_solver(solver, tmp_path, units):
+  rig = solver.rig
+  sol = solver.solve(posed_clip(rig, solver.offsets, T=5, seed=3), full=True)
+  path = tmp_path / f'out_{units}.bvh'
+  exports.write_solution_bvh(path, sol, rig, fps=30.0, units=units)
+  motion = bvh.read_bvh(path)
+  order = [motion.names.index(n) for n in rig.joint_names]
+  scale = exports.BVH_UNITS[units]
+  p = bvh.naive_fk_np(motion, scale=scale)[:, order]
+  np.testing.assert_allclose(p, sol.positions_fk, atol=1e-4)
+  np.testing.assert_allclose(motion.offsets[order] * scale, sol.offsets, atol=1e-9)
+  assert motion.fps == pytest.approx(30.0)
+  leaves = [j for j, kids in enumerate(rig.children) if not kids]
+  assert all(motion.joints[order[j]].end_site is not None for j in leaves)
+  # The file's own offsets come back as the subject, and its positions as the input.
+  np.testing.assert_allclose(exports.read_bvh_offsets(path, rig, units=units), sol.offsets,
+                             atol=1e-6)
+  clip = exports.read_bvh_clip(path, rig, units=units)
+  np.testing.assert_allclose(clip.positions, sol.positions_fk, atol=1e-4)
+
+
+def test_bvh_with_extra_joints_reduces_by_name(solver, tmp_path):
+  rig = solver.rig
+  sol = solver.solve(posed_clip(rig, solver.offsets, T=3, seed=4), full=True)
+  motion = exports.solution_bvh(sol.local_rot, sol.positions_fk[:, 0], sol.offsets, rig, 30.0)
+  # A rotating extra leaf under the last joint (depth-first order stays valid): pruned by name.
+  motion.joints.append(bvh.BVHJoint('RightToeEnd', len(motion.joints) - 1,
+                                    np.array([0.0, 0.0, 5.0]), ('Zrotation', 'Yrotation',
+                                                                'Xrotation')))
+  motion.motion = np.concatenate([motion.motion, np.full((3, 3), 20.0)], axis=1)
+  bvh.write_bvh(tmp_path / 'extra.bvh', motion)
+  clip = exports.read_bvh_clip(tmp_path / 'extra.bvh', rig)
+  np.testing.assert_allclose(clip.positions, sol.positions_fk, atol=1e-4)
+  np.testing.assert_allclose(clip.offsets, sol.offsets, atol=1e-6)
+
+
+def test_bvh_of_smpl22_reorders_depth_first(tmp_path):
+  rig = skeleton.smpl22()
+  T = 3
+  R = random_rotations((T, 22), 0.5, 0)
+  root = np.tile(rig.template()[0], (T, 1))
+  motion = exports.solution_bvh(R, root, rig.template(), rig, 30.0)
+  bvh.write_bvh(tmp_path / 's.bvh', motion)  # refuses a non depth-first order
+  back = bvh.read_bvh(tmp_path / 's.bvh')
+  order = [back.names.index(n) for n in rig.joint_names]
+  _, p = fk_np(R, rig.template(), rig.parents, root)
+  np.testing.assert_allclose(bvh.naive_fk_np(back, 0.01)[:, order], p, atol=1e-4)
+
+
+def test_csv_with_and_without_header(solver, tmp_path):
+  rig = solver.rig
+  pos = posed_clip(rig, solver.offsets, T=3)
+  flat = pos.reshape(3, -1)
+  (tmp_path / 'a.csv').write_text('\n'.join(','.join(f'{v:.9f}' for v in r) for r in flat))
+  header = ','.join(f'{n}_{a}' for n in rig.joint_names for a in 'xyz')
+  (tmp_path / 'b.csv').write_text(header + '\n' + (tmp_path / 'a.csv').read_text() + '\n')
+  # A named header in another joint order is reordered to the rig's.
+  perm = np.random.default_rng(0).permutation(3 * rig.num_joints)
+  names = header.split(',')
+  (tmp_path / 'c.csv').write_text(','.join(names[k] for k in perm) + '\n' + '\n'.join(
+      ','.join(f'{v:.9f}' for v in r[perm]) for r in flat))
+  (tmp_path / 'd.csv').write_text('frame data\n' + (tmp_path / 'a.csv').read_text())
+  for name in 'abcd':
+    np.testing.assert_allclose(exports.read_positions_csv(tmp_path / f'{name}.csv', rig), pos,
+                               atol=1e-8, err_msg=name)
+  (tmp_path / 'bad.csv').write_text('1,2,3\n')
+  with pytest.raises(InputError, match=r'bad.csv:1: 3 columns, expected 63 .*Hips, LowerBack'):
+    exports.read_positions_csv(tmp_path / 'bad.csv', rig)
+
+
+def test_npz_reader_orders_by_joint_names(solver, tmp_path):
+  rig = solver.rig
+  pos = posed_clip(rig, solver.offsets, T=2)
+  perm = np.arange(rig.num_joints)[::-1]
+  np.savez(tmp_path / 'p.npz', positions=pos[:, perm],
+           joint_names=np.asarray(rig.joint_names)[perm], fps=60.0)
+  got = exports.read_positions_npz(tmp_path / 'p.npz', rig)
+  np.testing.assert_allclose(got.positions, pos)
+  assert got.fps == 60.0
+  np.savez(tmp_path / 'q.npz', positions=pos, joint_names=np.asarray(['x'] * rig.num_joints))
+  with pytest.raises(InputError, match='do not match rig'):
+    exports.read_positions_npz(tmp_path / 'q.npz', rig)
+
+
+def test_input_errors(solver):
+  rig = solver.rig
+  pos = posed_clip(rig, solver.offsets, T=3)
+  with pytest.raises(InputError, match=r'expected positions \[T, 21, 3\].*Hips, LowerBack.*got 22 '
+                     'joints'):
+    solver.solve(np.zeros((3, 22, 3)))
+  with pytest.raises(InputError, match=r'got shape \(3, 21, 2\)'):
+    solver.solve(pos[..., :2])
+  bad = pos.copy()
+  bad[1, 6, 2] = np.nan
+  with pytest.raises(InputError, match=r'NaN/inf: frame 1, joint 6 \(Head\)'):
+    solver.solve(bad)
+  bad[1, 6, 2] = np.inf
+  with pytest.raises(InputError, match='NaN/inf'):
+    solver.step(bad[1])
+  with pytest.raises(InputError, match='--units'):
+    solver.solve(pos, units='furlongs')
+  with pytest.raises(InputError, match='each of x, y, z once'):
+    solver.solve(pos, input_axes='x,x,z')
+
+
+def _warnings_of(fn):
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    fn()
+  return [str(w.message) for w in caught]
+
+
+def test_unit_and_axis_warnings(solver):
+  rig = solver.rig
+  pos = posed_clip(rig, solver.offsets, T=4, scale=0.2)
+  assert _warnings_of(lambda: solver.solve(pos)) == []
+  msgs = _warnings_of(lambda: solver.solve(pos * 100))
+  assert any('looks like centimetres: pass --units=cm' in m for m in msgs), msgs
+  assert _warnings_of(lambda: solver.solve(pos * 100, units='cm')) == []
+  msgs = _warnings_of(lambda: solver.solve(pos, units='cm'))
+  assert any('looks like metres: pass --units=m' in m for m in msgs), msgs
+  # z-up data (rig y = input z): the head is below the pelvis in the rig's frame.
+  z_up = pos @ parse_input_axes('x,z,-y')  # rig = M @ input
+  msgs = _warnings_of(lambda: solver.solve(z_up))
+  assert any('up axis looks wrong' in m and '--input_axes=x,z,-y' in m for m in msgs), msgs
+  assert _warnings_of(lambda: solver.solve(z_up, input_axes='x,z,-y')) == []
+  upside_down = pos * np.array([1.0, -1.0, -1.0])
+  assert any('up axis looks wrong' in m for m in _warnings_of(lambda: solver.solve(upside_down)))
+
+
+def test_input_axes():
+  M = parse_input_axes('x,z,-y')
+  np.testing.assert_array_equal(M @ np.array([1.0, 2.0, 3.0]), [1.0, 3.0, -2.0])
+  rig = skeleton.cmu_body()
+  # Unreal: z up, x forward, y right -> rig y up, z forward, x left.
+  U = parse_input_axes('unreal', rig)
+  np.testing.assert_array_equal(U @ [0, 0, 1.0], rig.up)
+  np.testing.assert_array_equal(U @ [1.0, 0, 0], rig.forward)
+  np.testing.assert_array_equal(U @ [0, 1.0, 0], -np.asarray(rig.lateral))
+  Y = parse_input_axes('unity', rig)
+  np.testing.assert_array_equal(Y @ [1.0, 0, 0], -np.asarray(rig.lateral))
+  assert np.linalg.det(U) == pytest.approx(-1.0)
+
+
+def test_checkpoint_for_another_rig(tmp_path_factory, solver):
+  from ik_gat_jax.checkpointing import CheckpointError
+  smpl_ckpt = tiny_checkpoint(tmp_path_factory, 'smpl22')
+  with pytest.raises(CheckpointError, match="for rig 'smpl22' .*not 'cmu_body'"):
+    IKSolver.from_checkpoint(smpl_ckpt, expected_rig='cmu_body')
+  smpl_pos = np.zeros((2, 22, 3))
+  with pytest.raises(InputError, match='got 22 joints'):
+    solver.solve(smpl_pos)
+
+
+def test_missing_shipped_default(monkeypatch, tmp_path):
+  from ik_gat_jax import evaluation
+  from ik_gat_jax.checkpointing import CheckpointError
+  monkeypatch.setattr(evaluation, 'SHIPPED_IKGAT', tmp_path / 'nope')
+  with pytest.raises(CheckpointError, match='shipped default .* does not exist yet'):
+    IKSolver.from_checkpoint(None)
+
+
+def test_buckets_stream_never_recompiles(solver):
+  assert bucket_sizes(1024) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+  assert bucket_sizes(12) == (1, 2, 4, 8, 12)
+  rig = solver.rig
+  pos = posed_clip(rig, solver.offsets, T=8, scale=0.2)
+  before = solver.trace_count
+  sizes = [1, 3, 5, 7, 1, 2, 3, 4, 6, 8, 1]
+  out = list(solver.solve_stream(pos[:n] for n in sizes))
+  assert [o.shape[0] for o in out] == sizes
+  assert solver.trace_count - before <= 4  # at most one compile per bucket 1, 2, 4, 8
+  after = solver.trace_count
+  list(solver.solve_stream(pos[:n] for n in sizes))
+  for t in range(len(pos)):
+    solver.step(pos[t])
+  list(solver.solve_stream(iter(pos)))  # single frames [J, 3]
+  assert solver.trace_count == after  # nothing new once each bucket was compiled
+  np.testing.assert_allclose(solver.step(pos[3]), solver.solve(pos)[3], atol=2e-5)
+
+
+def test_long_clip_in_chunks_with_progress(tmp_path_factory, solver):
+  small = IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory), block_size=8)
+  pos = posed_clip(small.rig, small.offsets, T=21, scale=0.2)
+  stream = io.StringIO()
+  import ik_gat_jax.solver as solver_lib
+  bar = solver_lib._ProgressBar(21, True, stream)
+  for k in (8, 16, 21):
+    bar.update(k)
+  assert '21/21 frames 100%' in stream.getvalue()
+  R = small.solve(pos, progress=False)
+  np.testing.assert_allclose(R, solver.solve(pos), atol=2e-5)
+  assert small.trace_count == 1  # chunks of 8, 8 and 5 frames: all in bucket 8
+
+
+def test_smpl_export(tmp_path_factory, tmp_path, solver):
+  smpl = get_solver(tmp_path_factory, 'smpl22')
+  sol = smpl.solve(posed_clip(smpl.rig, smpl.offsets, T=4), full=True)
+  arrays = exports.smpl_arrays(sol, smpl.rig, 30.0)
+  assert arrays['poses'].shape == (4, 66) and arrays['pose_body'].shape == (4, 63)
+  R = np.asarray(rotations.matrix_from_axis_angle(arrays['poses'].reshape(4, 22, 3)))
+  np.testing.assert_allclose(R, sol.local_rot, atol=1e-5)  # the round trip through our module
+  R_scipy = Rotation.from_rotvec(arrays['poses'].reshape(-1, 3)).as_matrix().reshape(R.shape)
+  np.testing.assert_allclose(R_scipy, sol.local_rot, atol=1e-5)
+  np.testing.assert_allclose(arrays['trans'] + sol.offsets[0], sol.positions_fk[:, 0], atol=1e-6)
+  exports.write_smpl_npz(tmp_path / 'a.smpl.npz', sol, smpl.rig, 30.0)
+  with np.load(tmp_path / 'a.smpl.npz') as z:
+    assert z['poses'].shape == (4, 66)
+  with pytest.raises(InputError, match='SMPL pose parameters need the smpl22 rig'):
+    exports.smpl_pose_params(np.zeros((1, 21, 3, 3)), solver.rig)
+
+
+def test_latency_stats(solver):
+  stats = solver.latency_stats(n=20, warmup=2)
+  assert stats['n'] == 20 and 0 < stats['median_ms'] <= stats['p99_ms']
+
+
+def test_lazy_package_export():
+  import ik_gat_jax
+  assert ik_gat_jax.IKSolver is IKSolver
+
+
+def test_cmu_bvh_through_the_joint_map(cmu_dir, solver):
+  clip = exports.read_bvh_clip(cmu_dir / '07_01.bvh', solver.rig, max_frames=8)
+  assert clip.positions.shape == (8, 21, 3) and clip.fps == 120.0
+  bones = np.linalg.norm(clip.offsets, axis=-1)
+  assert 0.3 < bones[solver.rig.index('LeftLeg')] < 0.6  # metres: a shin
+  assert solver.solve(clip.positions).shape == (8, 21, 3, 3)
