@@ -9,9 +9,9 @@ Input by extension: .npz (`positions [T, J, 3]`), .csv (one frame per row, J x 3
 rig order, header optional), .bvh (joint positions by FK, the file's own rest offsets). Output
 by extension: .bvh (the rig with the subject's offsets, animated; centimetres unless
 --bvh_units=m), .npz (rotations, FK positions, offsets), .smpl.npz (SMPL axis-angle pose
-parameters `[T, 66]`, smpl22 rig only). Every output is written to a temp file and renamed once
-everything succeeded; an existing output is refused without --overwrite; every error is one line
-on stderr with exit status 2. `solve_file` is the same as a library call (no flags read).
+parameters `[T, 66]`, smpl22 rig only; --smpl_world=amass for AMASS's z-up world). Every
+output is written to a temp file and renamed once everything succeeded; an existing output is
+refused without --overwrite; every error is one line on stderr with exit status 2. `solve_file` is the same as a library call (no flags read).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                estimate_lengths: bool = False, overwrite: bool = False,
                plot: str | None = None, plot_frames: str | None = None,
                clip: str | None = None, clip_frames: str | None = None,
-               smpl_npz: str | None = None, bvh_units: str = 'cm',
+               smpl_npz: str | None = None, smpl_world: str = 'rig', bvh_units: str = 'cm',
                block_size: int | None = None, progress: bool | None = None,
                latency_frames: int = 0, log: Callable[[str], None] = _stderr) -> dict:
   """Reads `input`, solves, writes `output` (+ `smpl_npz`, `plot`, `clip`); returns a summary.
@@ -121,9 +121,9 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                      progress=progress)
   rate = float(fps or source.fps or 30.0)
   with exports.staged([output, smpl_npz, plot, clip], overwrite) as (out, smpl, png, frames):
-    _write_main(kind, out, sol, rig, rate, bvh_units, solver)
+    _write_main(kind, out, sol, rig, rate, bvh_units, smpl_world, solver)
     if smpl is not None:
-      exports.write_smpl_npz(smpl, sol, rig, rate)
+      exports.write_smpl_npz(smpl, sol, rig, rate, world=smpl_world)
     _write_pictures(png, frames, sol, rig, rate, plot_frames, clip_frames)
   err = 1e3 * sol.fk_error_m()
   summary = {'frames': sol.num_frames, 'rig': rig.name, 'joints': rig.num_joints,
@@ -141,12 +141,12 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   return summary
 
 
-def _write_main(kind, path, sol, rig, fps, bvh_units, solver) -> None:
+def _write_main(kind, path, sol, rig, fps, bvh_units, smpl_world, solver) -> None:
   from ik_gat_jax.io import exports
   if kind == 'bvh':
     exports.write_solution_bvh(path, sol, rig, fps, units=bvh_units)
   elif kind == 'smpl':
-    exports.write_smpl_npz(path, sol, rig, fps)
+    exports.write_smpl_npz(path, sol, rig, fps, world=smpl_world)
   else:
     exports.write_npz_atomic(path, exports.solution_arrays(
         sol, rig, fps, {'checkpoint': np.asarray(str(solver.source))}))
@@ -199,6 +199,8 @@ def define_flags() -> None:
   s('clip', None, 'Short clip: .gif, or a directory of frame_NNNN.png.')
   s('clip_frames', None, 'Frames for --clip as start:stop[:step] (default 0:60).')
   s('smpl_npz', None, 'Also write SMPL pose parameters [T, 66] here (smpl22 rig).')
+  flags.DEFINE_enum('smpl_world', 'rig', ['rig', 'amass'], 'World of the SMPL root orientation '
+                    'and trans: the rig\'s y-up (SMPL model frame) or AMASS\'s z-up.')
   flags.DEFINE_enum('bvh_units', 'cm', ['cm', 'm'], 'Units of an output BVH.')
   flags.DEFINE_integer('block_size', None, 'Frames per compiled chunk (default 1024).')
   flags.DEFINE_integer('latency_frames', 0, 'Also report single-frame latency (median, p99) '
@@ -225,7 +227,8 @@ def main(argv) -> None:
                  offsets_units=F.offsets_units, joint_map=F.joint_map, units=F.units,
                  input_axes=F.input_axes, fps=F.fps, estimate_lengths=F.estimate_lengths,
                  overwrite=F.overwrite, plot=F.plot, plot_frames=F.plot_frames, clip=F.clip,
-                 clip_frames=F.clip_frames, smpl_npz=F.smpl_npz, bvh_units=F.bvh_units,
+                 clip_frames=F.clip_frames, smpl_npz=F.smpl_npz, smpl_world=F.smpl_world,
+                 bvh_units=F.bvh_units,
                  block_size=F.block_size, latency_frames=F.latency_frames)
   except (ValueError, KeyError, OSError, checkpointing.CheckpointError) as e:
     text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip()

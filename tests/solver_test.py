@@ -320,6 +320,14 @@ def test_smpl_export(tmp_path_factory, tmp_path, solver):
   R_scipy = Rotation.from_rotvec(arrays['poses'].reshape(-1, 3)).as_matrix().reshape(R.shape)
   np.testing.assert_allclose(R_scipy, sol.local_rot, atol=1e-5)
   np.testing.assert_allclose(arrays['trans'] + sol.offsets[0], sol.positions_fk[:, 0], atol=1e-6)
+  # AMASS's z-up world: only the root orientation and trans change (rig = W @ amass).
+  from data_prep import amass
+  am = exports.smpl_arrays(sol, smpl.rig, 30.0, world='amass')
+  np.testing.assert_allclose(am['pose_body'], arrays['pose_body'], atol=1e-6)
+  R_root = Rotation.from_rotvec(am['root_orient']).as_matrix()
+  np.testing.assert_allclose(amass.AMASS_TO_RIG @ R_root, sol.local_rot[:, 0], atol=1e-5)
+  np.testing.assert_allclose((am['trans'] + sol.offsets[0]) @ amass.AMASS_TO_RIG.T,
+                             sol.positions_fk[:, 0], atol=1e-5)
   exports.write_smpl_npz(tmp_path / 'a.smpl.npz', sol, smpl.rig, 30.0)
   with np.load(tmp_path / 'a.smpl.npz') as z:
     assert z['poses'].shape == (4, 66)

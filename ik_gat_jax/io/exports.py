@@ -23,9 +23,10 @@ refused unless `overwrite`):
   Blender: File > Import > BVH with Scale 0.01 for centimetres (1.0 for metres), forward Z, up Y.
 - SMPL npz (rig `smpl22` only): `poses [T, 66]` axis-angle (radians) of the 22 local rotations
   in SMPL joint order (root orientation first), `root_orient [T, 3]`, `pose_body [T, 63]`,
-  `trans [T, 3]` = root position - rest root position (metres), `mocap_framerate`. These are
-  SMPL pose parameters when the offsets are the body model's rest joints (SMPL's zero pose is
-  the rig's rest pose).
+  `trans [T, 3]` = root position - rest root position (metres), `mocap_framerate`, `world`.
+  These are SMPL pose parameters when the offsets are the body model's rest joints (SMPL's zero
+  pose is the rig's rest pose). The root orientation and `trans` are in the rig's y-up world
+  (the SMPL model's frame) by default, or in AMASS's z-up world with `world='amass'`.
 """
 
 from __future__ import annotations
@@ -423,15 +424,27 @@ def smpl_pose_params(local_rot: np.ndarray, rig: Rig) -> np.ndarray:
   return aa.reshape(len(aa), 3 * rig.num_joints)
 
 
-def smpl_arrays(sol, rig: Rig, fps: float) -> dict:
+SMPL_WORLDS = ('rig', 'amass')
+
+
+def smpl_arrays(sol, rig: Rig, fps: float, world: str = 'rig') -> dict:
+  """SMPL parameters of a `solver.Solution` (module docstring). `world`: 'rig' keeps the root
+  orientation and `trans` in the rig's y-up world (the SMPL model's own frame); 'amass' turns
+  them into AMASS's z-up world (`data_prep.amass.amass_params_from_rig`)."""
+  if world not in SMPL_WORLDS:
+    raise InputError(f'SMPL world must be one of {", ".join(SMPL_WORLDS)}, got {world!r}')
   poses = smpl_pose_params(sol.local_rot, rig)
   trans = sol.positions_fk[:, 0] - np.asarray(sol.offsets[0], np.float32)
+  if world == 'amass':
+    from data_prep import amass
+    poses, trans = amass.amass_params_from_rig(poses, trans, sol.offsets[0])
+  poses, trans = np.asarray(poses, np.float32), np.asarray(trans, np.float32)
   return {'poses': poses, 'root_orient': poses[:, :3], 'pose_body': poses[:, 3:],
-          'trans': trans.astype(np.float32), 'mocap_framerate': np.float32(fps),
+          'trans': trans, 'mocap_framerate': np.float32(fps), 'world': np.asarray(world),
           'joint_names': np.asarray(rig.joint_names),
           'offsets': np.asarray(sol.offsets, np.float32)}
 
 
 def write_smpl_npz(path: str | os.PathLike, sol, rig: Rig, fps: float,
-                   overwrite: bool = True) -> None:
-  write_npz_atomic(path, smpl_arrays(sol, rig, fps), overwrite)
+                   overwrite: bool = True, world: str = 'rig') -> None:
+  write_npz_atomic(path, smpl_arrays(sol, rig, fps, world), overwrite)
