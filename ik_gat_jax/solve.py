@@ -11,7 +11,8 @@ by extension: .bvh (the rig with the subject's offsets, animated; centimetres un
 --bvh_units=m), .npz (rotations, FK positions, offsets), .smpl.npz (SMPL axis-angle pose
 parameters `[T, 66]`, smpl22 rig only; --smpl_world=amass for AMASS's z-up world). Every
 output is written to a temp file and renamed once everything succeeded; an existing output is
-refused without --overwrite; every error is one line on stderr with exit status 2. `solve_file` is the same as a library call (no flags read).
+refused without --overwrite; every error is one line on stderr with exit status 2.
+`solve_file` is the same as a library call (no flags read).
 """
 
 from __future__ import annotations
