@@ -11,6 +11,7 @@ acknowledgment.
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,10 +24,17 @@ _RUN = flags.DEFINE_string('run', None, 'Run directory (with checkpoints/best).'
 _OUT = flags.DEFINE_string('output', None, 'Destination, e.g. checkpoints/ikgat_base.',
                            required=True)
 _TEST = flags.DEFINE_string('test_json', None, 'experiments.evaluate output on the test split.')
+_REPORT = flags.DEFINE_string('report_json', None, 'A report to ship beside it (e.g. the '
+                              "prior's prior_report.json); its scalar fields go in the card.")
 _TASK = flags.DEFINE_enum('task', 'ikgat', ['ikgat', 'pose_prior'], 'What the run trained.')
 
 ACK = ('The data used in this project was obtained from mocap.cs.cmu.edu. The database was '
        'created with funding from NSF EIA-0196217.')
+
+
+def _as_module(command: str) -> str:
+  """`/path/to/experiments/train.py --x` (as older runs recorded it) -> `python -m ...`."""
+  return re.sub(r'^\S*/(experiments|data_prep)/(\w+)\.py', r'python -m \1.\2', command)
 
 
 def card(meta: dict, test: dict | None, size_bytes: int) -> str:
@@ -36,7 +44,7 @@ def card(meta: dict, test: dict | None, size_bytes: int) -> str:
            f"joints); trained steps: {meta['step']}; size on disk: {size_bytes / 1e6:.1f} MB "
            '(parameters only, no optimizer state); checkpoint format version '
            f"{meta['format_version']}.", '',
-           f"Training command: `{meta['command']}`", '',
+           f"Training command: `{_as_module(meta['command'])}`", '',
            f"Data: shards {meta['data'].get('data_dir')} (rig sha256 "
            f"{meta['data'].get('rig_sha256')}, split sha256 {meta['data'].get('split_sha256')}).",
            f"Code: git {meta['provenance']['git_commit']}, JAX {meta['provenance']['jax_version']},"
@@ -73,6 +81,14 @@ def main(argv):
   shutil.copytree(src / str(step), tmp / str(step))
   size = sum(f.stat().st_size for f in tmp.rglob('*') if f.is_file())
   (tmp / 'README.md').write_text(card({**meta, 'step': step}, test, size))
+  if _REPORT.value:
+    report = json.loads(Path(_REPORT.value).read_text())
+    shutil.copy(_REPORT.value, tmp / Path(_REPORT.value).name)
+    scalars = {k: v for k, v in report.items() if isinstance(v, (int, float))}
+    with open(tmp / 'README.md', 'a') as f:
+      f.write(f'## Report ({Path(_REPORT.value).name})\n\n| field | value |\n|---|---:|\n')
+      f.writelines(f'| {k} | {v:.3f} |\n' if isinstance(v, float) else f'| {k} | {v} |\n'
+                   for k, v in scalars.items())
   if test:
     (tmp / 'test_metrics.json').write_text(json.dumps(
         {k: v for k, v in test.items() if k not in ('per_joint', 'per_file')}, indent=1))

@@ -184,7 +184,7 @@ class SolverConfig:
   adam_b1: float = 0.9
   adam_b2: float = 0.9
   w_data: float = 10.0
-  w_z: float = 0.01
+  w_z: float = 0.001  # tuned on val: BENCHMARKS.md "Iterative solver sweep"
   optimizer: str = 'adam'
   init_root: str = 'analytic'
   warm_iters: int = 20
