@@ -18,11 +18,12 @@ import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from ik_gat_jax import iterative_ik
 from ik_gat_jax import metrics
@@ -154,17 +155,34 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
 # Methods.
 
 
-def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024) -> Method:
+def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
+                 dtype: str = 'float32') -> Method:
+  """IK-GAT from a run or checkpoint directory (default: the shipped one).
+
+  `dtype` 'bfloat16' runs the network in bfloat16 (parameters and input positions cast; the
+  rest pose's bone frames stay float32, so conversions to local rotations promote to float32).
+  """
   path = Path(checkpoint) if checkpoint else SHIPPED_IKGAT
   model, meta = train.load_model(path, expected_rig=rig)
+  model = cast_floating(model, dtype)
   B_of = _bone_frames_fn(rig)
 
   @jax.jit
   def solve(positions, offsets):
-    return train.ikgat_infer(model, {'positions': positions, 'bone_frames': B_of(offsets)})
+    batch = {'positions': positions.astype(dtype), 'bone_frames': B_of(offsets)}
+    return train.ikgat_infer(model, batch).astype(jnp.float32)
 
   return Method('ikgat', solve, chunk, {'checkpoint': str(path), 'model': meta['config']['model'],
-                                        'trained_steps': meta.get('step')})
+                                        'trained_steps': meta.get('step'), 'dtype': dtype})
+
+
+def cast_floating(model: nnx.Module, dtype: str) -> nnx.Module:
+  """A copy of `model` with its floating-point state in `dtype` (the model itself if float32)."""
+  if jnp.dtype(dtype) == jnp.float32:
+    return model
+  graphdef, state = nnx.split(model)
+  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  return nnx.merge(graphdef, jax.tree.map(cast, state))
 
 
 def _bone_frames_fn(rig: Rig):
@@ -182,19 +200,36 @@ def mean_pose_method(train_data, rig: Rig, chunk: int = 4096) -> Method:
   return Method('mean_pose', solve, chunk, {'train_frames': len(train_data.local_rot)})
 
 
+@dataclasses.dataclass(frozen=True)
+class Prior:
+  """A restored pose prior as the latent solvers take it: `decode(params, z [latent]) ->
+  [J-1, 3, 3]` (static, hashable), its traced `params`, the latent size, where it came from."""
+  decode: iterative_ik.Decode
+  params: Any
+  latent: int
+  path: Path
+
+
+def load_prior(prior_dir: str | Path | None, rig: Rig) -> Prior:
+  """The pose prior of a run or checkpoint directory (default: the shipped one)."""
+  from ik_gat_jax import prior_task, vposer
+  path = Path(prior_dir) if prior_dir else SHIPPED_PRIOR
+  model, _ = train.load_model(path, task=prior_task.PRIOR_TASK, expected_rig=rig)
+  decode, params = vposer.decoder(model)
+  return Prior(decode, params, model.config.latent, path)
+
+
 def iterative_method(rig: Rig, config: iterative_ik.SolverConfig, prior_dir: str | Path | None,
-                     use_prior: bool, warm_start: bool, chunk: int = 1024) -> Method:
+                     use_prior: bool, warm_start: bool, chunk: int = 1024,
+                     loaded_prior: Prior | None = None) -> Method:
+  """Iterative IK with the prior (`loaded_prior`, or loaded from `prior_dir`) or without one."""
   info = {'solver': dataclasses.asdict(config), 'warm_start': warm_start}
   if use_prior:
-    from ik_gat_jax import prior_task, vposer
-    path = Path(prior_dir) if prior_dir else SHIPPED_PRIOR
-    prior, _ = train.load_model(path, task=prior_task.PRIOR_TASK, expected_rig=rig)
-    decode, params = vposer.decoder(prior)
-    latent = prior.config.latent
-    info['prior'] = str(path)
-    cold = lambda p, o: iterative_ik.solve_latent_jit(p, o, decode, params, rig, config,
-                                                       latent)[0]
-    warm = lambda p, o: iterative_ik.solve_latent_warm_jit(p, o, decode, params, rig, config,
+    prior = loaded_prior or load_prior(prior_dir, rig)
+    d, params, latent = prior.decode, prior.params, prior.latent
+    info['prior'] = str(prior.path)
+    cold = lambda p, o: iterative_ik.solve_latent_jit(p, o, d, params, rig, config, latent)[0]
+    warm = lambda p, o: iterative_ik.solve_latent_warm_jit(p, o, d, params, rig, config,
                                                             latent)[0]
     name = 'iterative'
   else:
@@ -206,11 +241,11 @@ def iterative_method(rig: Rig, config: iterative_ik.SolverConfig, prior_dir: str
 
 def make_method(name: str, rig: Rig, *, train_data=None, checkpoint=None, prior=None,
                 solver: iterative_ik.SolverConfig | None = None, warm_start: bool = False,
-                chunk: int | None = None) -> Method:
-  """The method `name` (one of `METHODS`) for `rig`."""
+                chunk: int | None = None, dtype: str = 'float32') -> Method:
+  """The method `name` (one of `METHODS`) for `rig`; `dtype` applies to IK-GAT only."""
   kw = {'chunk': chunk} if chunk else {}
   if name == 'ikgat':
-    return ikgat_method(checkpoint, rig, **kw)
+    return ikgat_method(checkpoint, rig, dtype=dtype, **kw)
   if name == 'swing':
     return swing_method(rig, **kw)
   if name == 'mean_pose':

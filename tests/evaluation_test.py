@@ -83,3 +83,11 @@ def test_cli_bad_split_is_one_line_nonzero(cmu_shards, tmp_path):
   assert p.returncode != 0
   assert "no split 'nope'" in p.stderr.strip().splitlines()[-1]
   assert not out.exists()
+
+
+def test_ikgat_bfloat16_close_to_float32(cmu_shards, tiny_ikgat_run):
+  ds = data.load_shards(cmu_shards, 'val')
+  f32, bf16 = (_run(evaluation.make_method('ikgat', ds.rig, checkpoint=tiny_ikgat_run, dtype=d),
+                    cmu_shards, max_frames=32) for d in ('float32', 'bfloat16'))
+  assert bf16['settings']['dtype'] == 'bfloat16'
+  assert abs(bf16['local_rot_err_deg'] - f32['local_rot_err_deg']) < 1.0

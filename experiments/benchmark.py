@@ -1,0 +1,60 @@
+"""The benchmark: amortized IK-GAT against iterative IK, accuracy and speed side by side.
+
+  python -m experiments.benchmark --output_dir=DIR [--checkpoints=DIR] [--prior=DIR] \
+      [--data=DIR] [--split=test] [--quick|--smoke] [--max_frames=N] [--iters=N] [--no_bf16]
+
+Runs `ik_gat_jax.benchmark.run_suite` (its docstring lists the sections and what --smoke,
+--quick and the full default run) and writes DIR/benchmark.json, DIR/tables.md and PNG plots.
+--checkpoints holds IK-GAT runs or checkpoint directories (every size found is a point) and
+optionally a pose prior; missing ones fall back to the shipped checkpoints/, else those methods
+are skipped with a printed reason. --data defaults to the shard directory the checkpoints were
+trained on. --max_frames sets the frames every method runs on (iterative ones included; default
+64 with --smoke, 256 with --quick, 1024 otherwise; 0: the whole split); --iters the iterative
+budget of the accuracy, noise and speed rows (10 with --smoke, else 100).
+Run it on a quiet machine: every other process skews the timings. Expected time on the 2-core
+CPU: --smoke under a minute, --quick a few minutes, full longer (tens of minutes).
+"""
+
+import sys
+
+from absl import app, flags
+
+from experiments.common import fail_on_user_error
+
+_OUTPUT = flags.DEFINE_string('output_dir', None, 'Where benchmark.json, tables.md, PNGs go.')
+_CHECKPOINTS = flags.DEFINE_string('checkpoints', None,
+                                   'Directory of IK-GAT (and prior) runs or checkpoints.')
+_PRIOR = flags.DEFINE_string('prior', None, 'Pose-prior run or checkpoint (overrides the found).')
+_DATA = flags.DEFINE_string('data', None, 'Shard directory (default: the checkpoints\' data).')
+_SPLIT = flags.DEFINE_string('split', 'test', 'Split to benchmark on.')
+_QUICK = flags.DEFINE_boolean('quick', False, 'Fewer frames, budgets, batch sizes: minutes.')
+_SMOKE = flags.DEFINE_boolean('smoke', False, 'Tiny everything: under a minute (CI).')
+_MAX_FRAMES = flags.DEFINE_integer(
+    'max_frames', None, 'Frames every method runs on (default 64/256/1024 for smoke/quick/full; '
+    '0: the whole split).')
+_ITERS = flags.DEFINE_integer('iters', None, 'Default iterative budget (per frame).')
+_BF16 = flags.DEFINE_boolean('bf16', True, 'Also run IK-GAT in bfloat16.')
+_SEED = flags.DEFINE_integer('seed', None, 'Noise seed.')
+flags.mark_flags_as_required(['output_dir'])
+
+
+@fail_on_user_error
+def main(argv):
+  del argv
+  from ik_gat_jax import benchmark
+  if _QUICK.value and _SMOKE.value:
+    raise ValueError('pass at most one of --quick and --smoke')
+  mode = 'smoke' if _SMOKE.value else 'quick' if _QUICK.value else 'full'
+  config = benchmark.preset(mode, split=_SPLIT.value, max_frames=_MAX_FRAMES.value,
+                            iters=_ITERS.value, bf16=_BF16.value, seed=_SEED.value)
+  found = benchmark.resolve_checkpoints(_CHECKPOINTS.value, _PRIOR.value)
+  data = _DATA.value or benchmark.default_data_dir(found)
+  if data is None:
+    raise FileNotFoundError('no shard directory: pass --data=DIR (no checkpoint names one that '
+                            'exists)')
+  command = ' '.join(['python -m experiments.benchmark', *sys.argv[1:]])
+  benchmark.run_suite(data, _OUTPUT.value, config, found, command=command)
+
+
+if __name__ == '__main__':
+  app.run(main)

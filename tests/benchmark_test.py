@@ -1,0 +1,166 @@
+"""The benchmark suite: the --smoke run on real frames, its JSON, tables and plots; discovery;
+the timing helpers. Speed numbers are benchmarks, not asserted here."""
+
+import json
+import math
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ik_gat_jax import benchmark, data, evaluation
+
+SECTIONS = ('accuracy', 'speed', 'block_sweep', 'pareto', 'noise', 'init_robustness', 'bf16',
+            'ratios', 'matmul')
+
+
+@pytest.fixture(scope='module')
+def checkpoints_dir(tiny_ikgat_run, tiny_prior_run, tmp_path_factory):
+  """A --checkpoints directory holding the tiny IK-GAT run and the tiny prior (as links)."""
+  root = tmp_path_factory.mktemp('bench_checkpoints')
+  (root / 'runs').mkdir()
+  (root / 'runs' / 'ikgat_tiny').symlink_to(tiny_ikgat_run, target_is_directory=True)
+  (root / 'prior').symlink_to(tiny_prior_run, target_is_directory=True)
+  return root
+
+
+@pytest.fixture(scope='module')
+def smoke(cmu_shards, checkpoints_dir, tmp_path_factory):
+  """The --smoke suite in-process on the val split of the session shards."""
+  out = tmp_path_factory.mktemp('bench_out')
+  lines = []
+  t = time.perf_counter()
+  result = benchmark.run_suite(cmu_shards, out, benchmark.preset('smoke', split='val'),
+                               benchmark.resolve_checkpoints(checkpoints_dir, None),
+                               log=lines.append, command='pytest smoke')
+  print(f'smoke suite: {time.perf_counter() - t:.1f} s')
+  return result, out, lines
+
+
+def _numbers(x, path=''):
+  """Every (path, value) leaf under x, skipping method settings (configs hold None)."""
+  if isinstance(x, dict):
+    for k, v in x.items():
+      if k != 'settings':
+        yield from _numbers(v, f'{path}/{k}')
+  elif isinstance(x, list):
+    for i, v in enumerate(x):
+      yield from _numbers(v, f'{path}/{i}')
+  else:
+    yield path, x
+
+
+def test_discovery_names_sizes_and_finds_the_prior(checkpoints_dir, tiny_prior_run):
+  found = benchmark.discover_checkpoints(checkpoints_dir)
+  assert list(found.ikgat) == ['tiny']
+  assert found.prior.resolve() == tiny_prior_run.resolve()
+  assert benchmark.default_data_dir(found) is not None
+
+
+def test_smoke_json_has_every_section_and_method(smoke):
+  r, _, _ = smoke
+  assert r['mode'] == 'smoke' and not r['skipped']
+  methods = {'ikgat_tiny', 'ikgat_tiny_bf16', 'iterative', 'iterative_identity_root',
+             'iterative_noprior', 'swing', 'mean_pose'}
+  assert set(r['accuracy']) == methods
+  for res in r['accuracy'].values():
+    assert res['frames'] == r['data']['subset_frames'] == 64
+    assert {'per_part', 'per_subject', 'per_file', 'per_joint'} <= set(res)
+  assert set(r['speed']) == methods - {'iterative_identity_root'}
+  for s in r['speed'].values():
+    assert s['latency']['p99_ms'] >= s['latency']['median_ms'] > 0
+  assert set(r['speed']['ikgat_tiny']['throughput']) == {'64', '256'}
+  assert set(r['speed']['iterative']['throughput']) == {'64'}  # capped at 64 in smoke
+  assert r['speed']['iterative']['capped_batches'] == [256]
+  assert r['block_sweep']['ikgat_tiny']['best_block'] in (64, 256)
+  iters = sorted(p['iters'] for p in r['pareto'] if p['family'] == 'iterative')
+  assert iters == [5, 10]
+  assert {p['name'] for p in r['pareto']} >= {'ikgat_tiny', 'swing', 'mean_pose'}
+  assert [c['noise_mm'] for c in r['noise']['ikgat_tiny']] == [0.0, 20.0]
+  assert set(r['noise']) >= {'ikgat_tiny', 'swing', 'iterative', 'iterative_noprior'}
+  assert set(r['init_robustness']['iterative']) == {'analytic_root', 'identity_root',
+                                                     'analytic_root_yaw90'}
+  assert set(r['bf16']) == {'ikgat_tiny'}
+  assert set(r['ratios']['pairs']) >= {'ikgat_tiny/iterative'}
+  assert r['provenance']['jax_version'] == jax.__version__
+
+
+def test_smoke_numbers_are_finite(smoke):
+  r, _, _ = smoke
+  for section in SECTIONS:
+    for path, v in _numbers(r[section], section):
+      assert v is not None, path
+      if isinstance(v, float):
+        assert math.isfinite(v), path
+  # The swing floor reproduces clean positions; noise makes it worse.
+  assert r['accuracy']['swing']['mpjpe_mm'] < 0.01
+  assert r['noise']['swing'][1]['local_rot_err_deg'] > r['noise']['swing'][0][
+      'local_rot_err_deg']
+
+
+def test_benchmark_rows_match_experiments_evaluate(smoke, cmu_shards):
+  """The suite's mean-pose row is what evaluation.evaluate gives on the same frames."""
+  r, _, _ = smoke
+  ds = data.load_shards(cmu_shards, 'val')
+  method = evaluation.make_method('mean_pose', ds.rig, chunk=64,
+                                  train_data=data.load_shards(cmu_shards, 'train'))
+  ref = evaluation.evaluate(method, ds, ds.rig, max_frames=64)
+  for field in ('local_rot_err_deg', 'root_rot_err_deg', 'mpjpe_mm'):
+    np.testing.assert_allclose(r['accuracy']['mean_pose'][field], ref[field], rtol=1e-6)
+
+
+def test_smoke_writes_json_tables_and_pngs(smoke, tmp_path):
+  r, out, lines = smoke
+  assert json.loads((out / 'benchmark.json').read_text()) == r
+  tables = (out / 'tables.md').read_text()
+  for title in ('## Accuracy', '## Per subject', '## Per file', '## Pareto', '## Noise',
+                '## Initial pose', '## Per joint', '## Speed', '## IK-GAT block-size sweep',
+                '## IK-GAT in bfloat16', '## IK-GAT over iterative IK', 'machine:'):
+    assert title in tables, title
+  for name in benchmark.PLOTS:
+    assert (out / name).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n', name
+  assert not list(out.glob('*.tmp*'))
+  assert any('accuracy ikgat_tiny' in line for line in lines)  # progress printed
+  benchmark.write_outputs(r, tmp_path)  # rebuilt from the JSON alone
+  assert (tmp_path / 'tables.md').read_text() == tables
+
+
+def test_missing_prior_skips_only_the_prior_solver(cmu_shards, tiny_ikgat_run, monkeypatch,
+                                                   tmp_path):
+  monkeypatch.setattr(evaluation, 'SHIPPED_PRIOR', tmp_path / 'no_prior')
+  monkeypatch.setattr(evaluation, 'SHIPPED_IKGAT', tmp_path / 'no_ikgat')
+  found = benchmark.resolve_checkpoints(None, None)
+  assert found.prior is None and not found.ikgat
+  found.ikgat['tiny'] = tiny_ikgat_run
+  lines = []
+  ctx = benchmark.build_context(cmu_shards, found, benchmark.preset('smoke', split='val'),
+                                lines.append)
+  assert 'iterative' in ctx.skipped and any('skipping iterative' in s for s in lines)
+  assert set(ctx.methods) == {'ikgat_tiny', 'ikgat_tiny_bf16', 'iterative_noprior', 'swing',
+                              'mean_pose'}
+  assert list(ctx.families) == ['iterative_noprior']
+
+
+def test_timing_helpers():
+  f = jax.jit(lambda p, o: p + o)
+  x = jnp.ones((8, 21, 3))
+  lat = benchmark.latency(f, x, x, calls=30, max_seconds=10.0)
+  assert lat['calls'] == 30 and lat['p99_ms'] >= lat['median_ms'] > 0
+  thr = benchmark.throughput(f, x, x, min_seconds=0.0)
+  assert thr['batch'] == 8 and thr['calls'] >= 3
+  blk = benchmark.blocked_throughput(f, x, x, 4, min_seconds=0.0)
+  assert blk['block'] == 4 and blk['frames_per_s'] > 0
+  assert benchmark.matmul_gflops(64, min_seconds=0.0)['gflops_per_s'] > 0
+
+
+def test_cli_missing_checkpoints_is_one_line_nonzero(tmp_path):
+  p = subprocess.run([sys.executable, '-m', 'experiments.benchmark', f'--output_dir={tmp_path}',
+                      f'--checkpoints={tmp_path / "nope"}', '--smoke'],
+                     capture_output=True, text=True, timeout=120)
+  assert p.returncode != 0
+  assert 'does not exist' in p.stderr.strip().splitlines()[-1]
+  assert not (tmp_path / 'benchmark.json').exists()
