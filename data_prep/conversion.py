@@ -70,6 +70,7 @@ from ik_gat_jax import kinematics
 from ik_gat_jax import rotations
 from ik_gat_jax import skeleton
 from ik_gat_jax.io import bvh
+from ik_gat_jax.provenance import file_sha256  # noqa: F401  (also used as conversion.file_sha256)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 JOINT_MAP_DIR = PACKAGE_DIR / 'joint_maps'
@@ -94,13 +95,6 @@ class ConversionError(ValueError):
 def log_stderr(message: str) -> None:
   print(message, file=sys.stderr, flush=True)
 
-
-def file_sha256(path: str | os.PathLike) -> str:
-  h = hashlib.sha256()
-  with open(path, 'rb') as f:
-    for block in iter(lambda: f.read(1 << 20), b''):
-      h.update(block)
-  return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------
