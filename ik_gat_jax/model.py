@@ -156,7 +156,9 @@ class PerJointLinear(nnx.Module):
     self.embedding = nnx.Param(0.5 * jax.random.normal(rngs.params(), (num_joints, d_out)))
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return jnp.einsum('bjc,jcd->bjd', x, self.kernel[...]) + self.embedding[...]
+    # d_in is 3 (a position): a broadcast multiply-add that XLA fuses, measured ~20x faster on
+    # this CPU than the equivalent einsum, which XLA runs as J tiny batched matmuls.
+    return jnp.sum(x[..., :, :, None] * self.kernel[...], axis=-2) + self.embedding[...]
 
 
 class Block(nnx.Module):
