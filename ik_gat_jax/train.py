@@ -25,6 +25,8 @@ import dataclasses
 import json
 import math
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -366,6 +368,46 @@ def checkpoint_meta(config, rig: Rig, task: Task, data_info: dict, metrics_: dic
           'provenance': provenance.provenance(rig_hash=rig.fingerprint())}
 
 
+class GracefulStop:
+  """Ctrl-C / SIGTERM during training: finish the step in flight, then stop as if interrupted.
+
+  The jitted step donates the state, so an interrupt raised inside it would leave nothing to
+  save. The first signal only sets a flag that `watch` checks between steps; a second Ctrl-C
+  interrupts at once (the last checkpoint on disk then stands). Handlers are installed only in
+  the main thread and restored by `restore`.
+  """
+
+  def __init__(self, log: Callable[[str], None]):
+    self.requested, self._log, self._old = False, log, {}
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGINT, signal.SIGTERM):
+        self._old[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    del frame
+    if self.requested and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.requested = True
+    self._log('stop requested: finishing this step, then saving a checkpoint '
+              '(Ctrl-C again to stop at once)')
+
+  def watch(self, iterable):
+    for item in iterable:
+      if self.requested:
+        raise KeyboardInterrupt
+      yield item
+
+  def restore(self) -> None:
+    for sig, handler in self._old.items():
+      signal.signal(sig, handler)
+    self._old = {}
+
+
+def _is_deleted(tree) -> bool:
+  return any(getattr(x, 'is_deleted', lambda: False)() for x in jax.tree.leaves(tree)
+             if isinstance(x, jax.Array))
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
                        task: Task = IKGAT_TASK, log: Callable[[str], None] = print,
                        mesh: Mesh | None = None) -> dict:
@@ -447,8 +489,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
           train_data, tc.batch_size, config.seed, step, tc.steps, jax.process_index(),
           jax.process_count())), depth=tc.get('prefetch', 2))
   progress = _Progress(step, pipeline)
+  stopper = GracefulStop(log)
   try:
-    for batch_step, batch in pipeline:
+    for batch_step, batch in stopper.watch(pipeline):
       assert batch_step == step, (batch_step, step)
       state, m = train_step(state, batch)
       step += 1
@@ -469,11 +512,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
       if step % tc.checkpoint_every == 0 and step < tc.steps:
         save_latest(step, 'running')
   except KeyboardInterrupt:
-    save_latest(step, 'interrupted')
-    log(f'interrupted at step {step}; checkpoint saved. Rerun the same command to resume.')
+    if _is_deleted(state):  # a second Ctrl-C inside a step that had donated the state
+      log(f'interrupted inside step {step}; the last saved checkpoint stands. Rerun the same '
+          'command to resume from it.')
+    else:
+      save_latest(step, 'interrupted')
+      log(f'interrupted at step {step}; checkpoint saved. Rerun the same command to resume.')
     writer.close()
     raise
   finally:
+    stopper.restore()
     pipeline.close()
   save_latest(step, 'done')
   writer.close()

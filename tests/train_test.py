@@ -100,3 +100,38 @@ def test_checkpoint_errors_are_clear(cmu_shards, tmp_path):
   (tmp_path / 'empty').mkdir()
   with pytest.raises(checkpointing.CheckpointError, match='no checkpoint found'):
     train.load_model(tmp_path / 'empty')
+
+
+def test_ctrl_c_mid_run_saves_and_resumes(cmu_shards, tmp_path):
+  """A real SIGINT to `experiments.train`: the step in flight finishes, a checkpoint is saved,
+  the exit status is 130, and rerunning the same command resumes and finishes."""
+  import os
+  import signal
+  import subprocess
+  import sys
+  import time
+  workdir = tmp_path / 'run'
+  cmd = [sys.executable, '-m', 'experiments.train', f'--data={cmu_shards}',
+         f'--workdir={workdir}', '--config=experiments/configs/test.py', '--steps=100000',
+         '--config.train.log_every=1', '--config.train.eval_every=100000']
+  env = {**os.environ, 'PYTHONUNBUFFERED': '1'}
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  p = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True)
+  deadline = time.time() + 120
+  while time.time() < deadline:
+    line = p.stdout.readline()
+    if line.startswith('step 3/'):
+      break
+  p.send_signal(signal.SIGINT)
+  out, _ = p.communicate(timeout=120)
+  assert p.returncode == 130, out[-2000:]
+  run = json.loads((workdir / 'run.json').read_text())
+  assert run['status'] == 'interrupted' and run['step'] >= 3
+  assert checkpointing.Checkpointer(workdir / 'checkpoints' / 'latest').latest_step() == \
+      run['step']
+  done = subprocess.run(cmd[:-3] + [f"--steps={run['step'] + 2}"], cwd=repo, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  assert f"resumed from" in done.stdout and json.loads(
+      (workdir / 'run.json').read_text())['status'] == 'done'
