@@ -156,9 +156,14 @@ class PerJointLinear(nnx.Module):
     self.embedding = nnx.Param(0.5 * jax.random.normal(rngs.params(), (num_joints, d_out)))
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    # d_in is 3 (a position): a broadcast multiply-add that XLA fuses, measured ~20x faster on
-    # this CPU than the equivalent einsum, which XLA runs as J tiny batched matmuls.
-    return jnp.sum(x[..., :, :, None] * self.kernel[...], axis=-2) + self.embedding[...]
+    # d_in is 3 (a position): explicit multiply-adds, which XLA fuses into one loop. Measured on
+    # this CPU (batch 1 / 1024): 0.007 / 1.3 ms, against 0.03 / 28 ms for the einsum (J tiny
+    # batched matmuls) and 0.32 / 2.3 ms for a broadcast-and-sum over the input axis.
+    k = self.kernel[...]
+    out = self.embedding[...]
+    for c in range(k.shape[1]):
+      out = out + x[..., c:c + 1] * k[:, c]
+    return out
 
 
 class Block(nnx.Module):
