@@ -35,7 +35,6 @@ _MAX_FRAMES = flags.DEFINE_integer(
 _ITERS = flags.DEFINE_integer('iters', None, 'Default iterative budget (per frame).')
 _BF16 = flags.DEFINE_boolean('bf16', True, 'Also run IK-GAT in bfloat16.')
 _SEED = flags.DEFINE_integer('seed', None, 'Noise seed.')
-flags.mark_flags_as_required(['output_dir'])
 
 
 @fail_on_user_error
@@ -57,4 +56,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  # Marked here, not at import: importing a main (tests do) must not make its flags
+  # required for every other absl program in the same process.
+  flags.mark_flags_as_required(['output_dir'])
   app.run(main)

@@ -14,7 +14,7 @@ from absl import app, flags
 
 from experiments.common import fail_on_user_error
 
-_DATA = flags.DEFINE_string('data', None, 'Shard directory.', required=True)
+_DATA = flags.DEFINE_string('data', None, 'Shard directory.')
 _OUT = flags.DEFINE_string('output_dir', 'outputs/bone_frames', 'Where the PNGs go.')
 
 
@@ -61,4 +61,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  # Marked here, not at import: importing a main (tests do) must not make its flags
+  # required for every other absl program in the same process.
+  flags.mark_flags_as_required(['data'])
   app.run(main)

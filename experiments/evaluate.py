@@ -37,7 +37,6 @@ _MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate at most this ma
 _BATCH = flags.DEFINE_integer('batch_size', None, 'Frames per solver call.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Noise seed.')
 _OUTPUT = flags.DEFINE_string('output_json', None, 'Result file (written atomically).')
-flags.mark_flags_as_required(['data', 'method', 'output_json'])
 
 
 def solver_config():
@@ -72,4 +71,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  # Marked here, not at import: importing a main (tests do) must not make its flags
+  # required for every other absl program in the same process.
+  flags.mark_flags_as_required(['data', 'method', 'output_json'])
   app.run(main)

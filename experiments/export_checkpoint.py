@@ -20,9 +20,8 @@ from absl import app, flags
 
 from experiments.common import fail_on_user_error
 
-_RUN = flags.DEFINE_string('run', None, 'Run directory (with checkpoints/best).', required=True)
-_OUT = flags.DEFINE_string('output', None, 'Destination, e.g. checkpoints/ikgat_base.',
-                           required=True)
+_RUN = flags.DEFINE_string('run', None, 'Run directory (with checkpoints/best).')
+_OUT = flags.DEFINE_string('output', None, 'Destination, e.g. checkpoints/ikgat_base.')
 _TEST = flags.DEFINE_string('test_json', None, 'experiments.evaluate output on the test split.')
 _REPORT = flags.DEFINE_string('report_json', None, 'A report to ship beside it (e.g. the '
                               "prior's prior_report.json); its scalar fields go in the card.")
@@ -99,4 +98,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  # Marked here, not at import: importing a main (tests do) must not make its flags
+  # required for every other absl program in the same process.
+  flags.mark_flags_as_required(['run', 'output'])
   app.run(main)

@@ -43,7 +43,6 @@ _JSON = flags.DEFINE_string('json', None, 'Also write the result JSON here.')
 _PROCESSES = flags.DEFINE_integer('processes', 1, 'Also train on this many local processes '
                                   '(needs --cpu_devices).')
 _WORKER = flags.DEFINE_bool('worker', False, 'Internal: one process of the --processes run.')
-flags.mark_flags_as_required(['data'])
 
 RTOL = 1e-4
 
@@ -267,4 +266,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  # Marked here, not at import: importing a main (tests do) must not make its flags
+  # required for every other absl program in the same process.
+  flags.mark_flags_as_required(['data'])
   app.run(main)

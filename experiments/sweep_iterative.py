@@ -18,7 +18,7 @@ from absl import app, flags
 
 from experiments.common import fail_on_user_error
 
-_DATA = flags.DEFINE_string('data', None, 'Shard directory.', required=True)
+_DATA = flags.DEFINE_string('data', None, 'Shard directory.')
 _PRIOR = flags.DEFINE_string('prior', None, 'Pose-prior run directory.')
 _SPLIT = flags.DEFINE_string('split', 'val', 'Split to tune on.')
 _MAX_FRAMES = flags.DEFINE_integer('max_frames', 256, 'Frames per setting.')
@@ -62,4 +62,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  # Marked here, not at import: importing a main (tests do) must not make its flags
+  # required for every other absl program in the same process.
+  flags.mark_flags_as_required(['data'])
   app.run(main)

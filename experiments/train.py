@@ -27,7 +27,6 @@ _SIZE = flags.DEFINE_enum('size', None, ['tiny', 'small', 'base', 'large'], 'Mod
 _DISTRIBUTED = flags.DEFINE_bool(
     'distributed', None, 'Start jax.distributed (several hosts); unset: only when a cluster '
     "launcher's environment is present.")
-flags.mark_flags_as_required(['data', 'workdir'])
 
 
 @fail_on_user_error
@@ -48,4 +47,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  # Marked here, not at import: importing a main (tests do) must not make its flags
+  # required for every other absl program in the same process.
+  flags.mark_flags_as_required(['data', 'workdir'])
   app.run(main)

@@ -21,7 +21,6 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'experiments/configs/prior.p
 _DATA = flags.DEFINE_string('data', None, 'Shard directory.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory; an existing one is resumed.')
 _STEPS = flags.DEFINE_integer('steps', None, 'Training steps (overrides the config).')
-flags.mark_flags_as_required(['data', 'workdir'])
 
 
 @fail_on_user_error
@@ -52,4 +51,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  # Marked here, not at import: importing a main (tests do) must not make its flags
+  # required for every other absl program in the same process.
+  flags.mark_flags_as_required(['data', 'workdir'])
   app.run(main)
