@@ -8,6 +8,7 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', str(REPO / '.jax_cache'))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.5')
 
+import ik_gat_jax  # noqa: E402,F401  (XLA workaround before any computation)
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
