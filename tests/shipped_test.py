@@ -36,3 +36,28 @@ def test_shipped_ikgat_reproduces_its_unseen_subject_metrics(cmu_dir, tmp_path):
   assert r['frames'] == expect['frames']
   for k in ('local_rot_err_deg', 'twist_err_deg', 'mpjpe_mm'):
     np.testing.assert_allclose(r[k], expect[k], rtol=2e-3, err_msg=k)
+
+
+def test_cmu_clip_bvh_solve_bvh_with_the_shipped_model(cmu_dir, tmp_path):
+  """BVH -> positions -> solve -> BVH: the written rotations are the solver's R (1e-4 rad) and
+  the written file's joints match the input within the model's test MPJPE + 1 mm."""
+  from ik_gat_jax import rotations, solve
+  from ik_gat_jax.io import bvh, exports
+  out = tmp_path / 'solved.bvh'
+  src = cmu_dir / '07_05.bvh'
+  solve.solve_file(src, out, offsets_from=str(src), log=lambda m: None)
+  solver_rig = skeleton.cmu_body()
+  clip = exports.read_bvh_clip(src, solver_rig)
+  from ik_gat_jax import IKSolver
+  sol = IKSolver.from_checkpoint(offsets=clip.offsets).solve(clip.positions, full=True)
+  written = bvh.read_bvh(out)
+  order = [written.names.index(n) for n in solver_rig.joint_names]
+  R = np.stack([np.asarray(rotations.matrix_from_euler(written.rotation_degrees(j),
+                                                       written.euler_order(j), degrees=True))
+                for j in order], axis=1)
+  angle = np.asarray(rotations.geodesic_angle(R, sol.local_rot))
+  assert angle.max() < 1e-4, angle.max()
+  p = exports.read_bvh_clip(out, solver_rig, units='cm').positions
+  card = json.loads((SHIPPED / 'ikgat_base' / 'test_metrics.json').read_text())
+  err_mm = 1000 * np.linalg.norm(p - clip.positions, axis=-1)[:, 1:].mean()
+  assert err_mm < card['mpjpe_mm'] + 1.0, err_mm
