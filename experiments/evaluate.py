@@ -2,7 +2,8 @@
 
   python -m experiments.evaluate --data=DIR --split=test \
       --method=ikgat|iterative|iterative_noprior|swing|mean_pose [--checkpoint=DIR] [--prior=DIR] \
-      [--iters=N] [--warm_start] [--noise_mm=S] [--max_frames=N] --output_json=FILE
+      [--iters=N] [--warm_start] [--noise_mm=S] [--max_frames=N] [--refine_iters=N] \
+      --output_json=FILE
 
 Prints a markdown table (overall and per test part) and writes one JSON object (fields of DESIGN
 section 9 plus per_subject, per_file, per_part, settings, provenance). Without --checkpoint /
@@ -31,6 +32,10 @@ _W_Z = flags.DEFINE_float('w_z', None, 'Latent penalty weight.')
 _INIT_ROOT = flags.DEFINE_enum('init_root', 'analytic', ['analytic', 'identity'],
                                'Cold-start root rotation.')
 _OPTIMIZER = flags.DEFINE_enum('optimizer', 'adam', ['adam', 'lbfgs'], 'Solver optimizer.')
+_REFINE = flags.DEFINE_integer('refine_iters', 0, 'ikgat only: refine its output with this many '
+                               'anchored iterations of the no-prior solver (0: off).')
+_REFINE_LR = flags.DEFINE_float('refine_lr', 0.003, 'Learning rate of the refinement.')
+_W_ANCHOR = flags.DEFINE_float('w_anchor', 0.0, 'Refinement: weight pulling toward IK-GAT.')
 _WARM = flags.DEFINE_boolean('warm_start', False, 'Warm start over windows of each clip.')
 _NOISE = flags.DEFINE_float('noise_mm', 0.0, 'Gaussian input noise per coordinate (mm).')
 _MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate at most this many frames.')
@@ -47,6 +52,16 @@ def solver_config():
   return iterative_ik.SolverConfig(**{k: v for k, v in overrides.items() if v is not None})
 
 
+def refine_config():
+  from ik_gat_jax import iterative_ik
+  if _REFINE.value <= 0:
+    return None
+  if _METHOD.value != 'ikgat':
+    raise ValueError('--refine_iters applies to --method=ikgat only')
+  return iterative_ik.SolverConfig(iters=_REFINE.value, lr=_REFINE_LR.value,
+                                   w_anchor=_W_ANCHOR.value)
+
+
 @fail_on_user_error
 def main(argv):
   del argv
@@ -59,7 +74,7 @@ def main(argv):
   method = evaluation.make_method(_METHOD.value, ds.rig, train_data=train_data,
                                   checkpoint=_CHECKPOINT.value, prior=_PRIOR.value,
                                   solver=solver_config(), warm_start=_WARM.value,
-                                  chunk=_BATCH.value)
+                                  chunk=_BATCH.value, refine=refine_config())
   result = evaluation.evaluate(method, ds, ds.rig, max_frames=_MAX_FRAMES.value,
                                noise_mm=_NOISE.value, seed=_SEED.value)
   result['command'] = provenance.command_line()

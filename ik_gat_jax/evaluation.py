@@ -156,7 +156,8 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
 
 
 def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
-                 dtype: str = 'float32') -> Method:
+                 dtype: str = 'float32',
+                 refine: iterative_ik.SolverConfig | None = None) -> Method:
   """IK-GAT from a run or checkpoint directory (default: the shipped one).
 
   `dtype` 'bfloat16' runs the network in bfloat16 (parameters and input positions cast; the
@@ -170,10 +171,17 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
   @jax.jit
   def solve(positions, offsets):
     batch = {'positions': positions.astype(dtype), 'bone_frames': B_of(offsets)}
-    return train.ikgat_infer(model, batch).astype(jnp.float32)
+    local = train.ikgat_infer(model, batch).astype(jnp.float32)
+    if refine is not None:  # amortized + refine (G1): a few anchored iterations from IK-GAT
+      local = iterative_ik.refine_rotations(local, positions, offsets, rig, refine)[0]
+    return local
 
-  return Method('ikgat', solve, chunk, {'checkpoint': str(path), 'model': meta['config']['model'],
-                                        'trained_steps': meta.get('step'), 'dtype': dtype})
+  info = {'checkpoint': str(path), 'model': meta['config']['model'],
+          'trained_steps': meta.get('step'), 'dtype': dtype}
+  if refine is not None:
+    info['refine'] = dataclasses.asdict(refine)
+  name = 'ikgat' if refine is None else f'ikgat+refine{refine.iters}'
+  return Method(name, solve, chunk, info)
 
 
 def cast_floating(model: nnx.Module, dtype: str) -> nnx.Module:
@@ -241,11 +249,13 @@ def iterative_method(rig: Rig, config: iterative_ik.SolverConfig, prior_dir: str
 
 def make_method(name: str, rig: Rig, *, train_data=None, checkpoint=None, prior=None,
                 solver: iterative_ik.SolverConfig | None = None, warm_start: bool = False,
-                chunk: int | None = None, dtype: str = 'float32') -> Method:
-  """The method `name` (one of `METHODS`) for `rig`; `dtype` applies to IK-GAT only."""
+                chunk: int | None = None, dtype: str = 'float32',
+                refine: iterative_ik.SolverConfig | None = None) -> Method:
+  """The method `name` (one of `METHODS`) for `rig`; `dtype` and `refine` (amortized + refine:
+  `refine_rotations` from IK-GAT's output) apply to IK-GAT only."""
   kw = {'chunk': chunk} if chunk else {}
   if name == 'ikgat':
-    return ikgat_method(checkpoint, rig, dtype=dtype, **kw)
+    return ikgat_method(checkpoint, rig, dtype=dtype, refine=refine, **kw)
   if name == 'swing':
     return swing_method(rig, **kw)
   if name == 'mean_pose':

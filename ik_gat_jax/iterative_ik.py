@@ -177,6 +177,9 @@ class SolverConfig:
     warm_iters: iterations per frame for warm-started frames.
     window: frames per warm-start window (a window's first frame is solved cold).
     lbfgs_memory: L-BFGS history length.
+    w_anchor: refinement only (`refine_rotations`): weight of `|6D - 6D_init|^2`, which keeps
+      what the positions cannot see (twists, leaves) near the amortized prediction. The val
+      sweep (BENCHMARKS.md, "Amortized + refine") found 0 with lr 0.003 best.
   """
   iters: int = 100
   lr: float = 0.1
@@ -190,6 +193,7 @@ class SolverConfig:
   warm_iters: int = 20
   window: int = 30
   lbfgs_memory: int = 10
+  w_anchor: float = 0.0
 
   def __post_init__(self):
     if self.optimizer not in ('adam', 'lbfgs'):
@@ -399,6 +403,54 @@ def solve_latent_warm(positions: jax.Array, offsets: jax.Array, decode: Decode,
   init_fn = lambda target: _latent_init(target, offsets, rig, config, latent_dim)
   problem = _latent_problem(decode, decode_params, config)
   return _solve_windows(problem, init_fn, positions, offsets, rig, config)
+
+
+def _anchored_problem(init: jax.Array, config: SolverConfig) -> _Problem:
+  """Rotations problem plus `w_anchor |params - init|^2` (init: `[J, 6]`, one frame)."""
+  return _Problem(to_local=rotations.matrix_from_sixd,
+                  penalty=lambda params: config.w_anchor * jnp.sum((params - init)**2))
+
+
+def _refine_frame(init_local: jax.Array, target: jax.Array, offsets: jax.Array, rig: Rig,
+                  config: SolverConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One frame: `config.iters` steps from `init_local [J, 3, 3]`, keeping the best iterate, so
+  the returned loss never exceeds the initial one. -> (local, initial loss, final loss)."""
+  params0 = rotations.sixd_from_matrix(init_local)
+  loss_fn = _frame_loss_fn(_anchored_problem(params0, config), target, offsets, rig, config)
+  opt = _optimizer(config, config.iters)
+  step = _make_step(loss_fn, opt, config)
+
+  def keep_best(carry, _):
+    (params, state), (best, best_loss) = carry
+    (new_params, state), loss = step((params, state), None)  # loss of `params`
+    better = loss < best_loss
+    best = jnp.where(better, params, best)
+    return ((new_params, state), (best, jnp.minimum(loss, best_loss))), None
+
+  loss0 = loss_fn(params0)
+  ((last, _), (best, best_loss)), _ = jax.lax.scan(
+      keep_best, ((params0, opt.init(params0)), (params0, loss0)), length=config.iters)
+  last_loss = loss_fn(last)
+  best = jnp.where(last_loss < best_loss, last, best)
+  return rotations.matrix_from_sixd(best), loss0, jnp.minimum(last_loss, best_loss)
+
+
+def refine_rotations(init_local: jax.Array, positions: jax.Array, offsets: jax.Array, rig: Rig,
+                     config: SolverConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Amortized + refine (issue G1): a few anchored iterations from an initial pose.
+
+  Args:
+    init_local: `[N, J, 3, 3]` initial local rotations (e.g. IK-GAT's).
+    positions: `[N, J, 3]` target world positions; offsets `[N, J, 3]` or `[J, 3]`.
+    config: `iters` (a few), `lr`, `w_data`, `w_anchor`.
+
+  Returns:
+    `(local [N, J, 3, 3], initial loss [N], final loss [N])`, final <= initial per frame.
+  """
+  offsets = jnp.broadcast_to(offsets, positions.shape)
+  # in_axes: one frame per solver for every argument.
+  return jax.vmap(lambda r, p, o: _refine_frame(r, p, o, rig, config))(init_local, positions,
+                                                                      offsets)
 
 
 # Entry points.
