@@ -35,6 +35,8 @@ _MAX_FRAMES = flags.DEFINE_integer(
 _ITERS = flags.DEFINE_integer('iters', None, 'Default iterative budget (per frame).')
 _BF16 = flags.DEFINE_boolean('bf16', True, 'Also run IK-GAT in bfloat16.')
 _SEED = flags.DEFINE_integer('seed', None, 'Noise seed.')
+_REFINE = flags.DEFINE_list('refine_iters', [], 'Also IK-GAT + N refinement iterations '
+                            '(amortized + refine), e.g. 10,20.')
 
 
 @fail_on_user_error
@@ -45,7 +47,8 @@ def main(argv):
     raise ValueError('pass at most one of --quick and --smoke')
   mode = 'smoke' if _SMOKE.value else 'quick' if _QUICK.value else 'full'
   config = benchmark.preset(mode, split=_SPLIT.value, max_frames=_MAX_FRAMES.value,
-                            iters=_ITERS.value, bf16=_BF16.value, seed=_SEED.value)
+                            iters=_ITERS.value, bf16=_BF16.value, seed=_SEED.value,
+                            refine_iters=tuple(int(n) for n in _REFINE.value) or None)
   found = benchmark.resolve_checkpoints(_CHECKPOINTS.value, _PRIOR.value)
   data = _DATA.value or benchmark.default_data_dir(found)
   if data is None:

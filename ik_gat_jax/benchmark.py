@@ -123,6 +123,7 @@ class SuiteConfig:
   throughput_seconds: float = 1.0  # per measurement; at least 3 calls
   matmul_n: int = 2048
   bf16: bool = True
+  refine_iters: tuple[int, ...] = ()  # amortized + refine points (G1): ikgat_<size>+refine<N>
   whole_split: bool = True  # also the fast methods on the whole split
   warm: bool = True  # the warm-start row (prior)
   seed: int = 0
@@ -373,6 +374,11 @@ def add_ikgat(ctx: Context, found: Found) -> None:
       name = f'ikgat_{size}' + ('_bf16' if dtype == 'bfloat16' else '')
       _add(ctx, name, 'ikgat' if dtype == 'float32' else 'ikgat_bf16',
            lambda p=path, d=dtype: evaluation.ikgat_method(p, ctx.rig, ctx.config.chunk, d))
+    for n in ctx.config.refine_iters:  # same family as IK-GAT: a point on the Pareto plot
+      refine = iterative_ik.SolverConfig(iters=n, lr=0.003, w_anchor=0.0)
+      _add(ctx, f'ikgat_{size}+refine{n}', 'ikgat',
+           lambda p=path, r=refine: evaluation.ikgat_method(p, ctx.rig, ctx.config.chunk,
+                                                            refine=r))
 
 
 def cold_core(rig: Rig, config: iterative_ik.SolverConfig,

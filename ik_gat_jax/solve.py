@@ -85,6 +85,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                clip: str | None = None, clip_frames: str | None = None,
                smpl_npz: str | None = None, smpl_world: str = 'rig', bvh_units: str = 'cm',
                block_size: int | None = None, progress: bool | None = None,
+               refine_iters: int = 0,
                latency_frames: int = 0, log: Callable[[str], None] = _stderr) -> dict:
   """Reads `input`, solves, writes `output` (+ `smpl_npz`, `plot`, `clip`); returns a summary.
 
@@ -109,7 +110,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   if not Path(input).is_file():
     raise FileNotFoundError(f'input {input} does not exist')
   solver = solver_lib.IKSolver.from_checkpoint(
-      checkpoint, expected_rig=rig, block_size=block_size or solver_lib.DEFAULT_BLOCK)
+      checkpoint, expected_rig=rig, block_size=block_size or solver_lib.DEFAULT_BLOCK,
+      refine_iters=refine_iters)
   rig = solver.rig
   if kind == 'smpl' or smpl_npz is not None:
     exports.check_smpl_rig(rig)  # refuse before solving
@@ -204,6 +206,8 @@ def define_flags() -> None:
                     'and trans: the rig\'s y-up (SMPL model frame) or AMASS\'s z-up.')
   flags.DEFINE_enum('bvh_units', 'cm', ['cm', 'm'], 'Units of an output BVH.')
   flags.DEFINE_integer('block_size', None, 'Frames per compiled chunk (default 1024).')
+  flags.DEFINE_integer('refine_iters', 0, 'Refine IK-GAT with this many iterations of the '
+                       'rotation solver (amortized + refine; 10-20 is 1.5-2x the time).')
   flags.DEFINE_integer('latency_frames', 0, 'Also report single-frame latency (median, p99) '
                        'over this many streamed frames.')
   _FLAGS_DEFINED = True
@@ -230,7 +234,8 @@ def main(argv) -> None:
                  overwrite=F.overwrite, plot=F.plot, plot_frames=F.plot_frames, clip=F.clip,
                  clip_frames=F.clip_frames, smpl_npz=F.smpl_npz, smpl_world=F.smpl_world,
                  bvh_units=F.bvh_units,
-                 block_size=F.block_size, latency_frames=F.latency_frames)
+                 block_size=F.block_size, latency_frames=F.latency_frames,
+                 refine_iters=F.refine_iters)
   except (ValueError, KeyError, OSError, checkpointing.CheckpointError) as e:
     text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip()
     _stderr(f'error: {text.splitlines()[0] if text else type(e).__name__}')

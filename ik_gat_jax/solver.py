@@ -52,6 +52,7 @@ from ik_gat_jax import kinematics
 from ik_gat_jax.skeleton import Rig, RigError, get_rig, rest_positions_np
 
 DEFAULT_BLOCK = 1024
+REFINE_LR = 0.003  # amortized + refine: the val sweep's best step (BENCHMARKS.md)
 UNITS = {'m': 1.0, 'cm': 0.01, 'mm': 0.001, 'inch': 0.0254, 'in': 0.0254}
 # Signed axis maps of common engines onto a right-handed, y-up, z-forward, x-left world (the
 # built-in rigs' world): Unity is y-up, z-forward, left-handed (x = the body's right);
@@ -345,14 +346,21 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
   return next(b for b in buckets if b >= n)
 
 
-def _make_forward(graphdef, rig: Rig, counter: list[int]):
-  """jit((state, positions [b, J, 3], offsets [J, 3], B [J, 3, 3]), full static) -> dict."""
+def _make_forward(graphdef, rig: Rig, counter: list[int], refine=None):
+  """jit((state, positions [b, J, 3], offsets [J, 3], B [J, 3, 3]), full static) -> dict.
+
+  `refine` (an `iterative_ik.SolverConfig`): amortized + refine, a few anchored iterations of the
+  rotation solver from IK-GAT's output (issue G1; BENCHMARKS.md).
+  """
+  from ik_gat_jax import iterative_ik
   from ik_gat_jax import train  # the one inference path (train.ikgat_infer); heavy import
 
   def forward(state, positions, offsets, B, full):
     counter[0] += 1  # runs at trace time only: counts compilations
     model = nnx.merge(graphdef, state)
     local = train.ikgat_infer(model, {'positions': positions, 'bone_frames': B[None]}, rig=rig)
+    if refine is not None:
+      local = iterative_ik.refine_rotations(local, positions, offsets, rig, refine)[0]
     if not full:
       return {'local_rot': local}
     G, p = kinematics.forward_kinematics(local, offsets, rig.parents, root_pos=positions[:, 0])
@@ -393,7 +401,8 @@ class IKSolver:
   """
 
   def __init__(self, model, meta: dict | None = None, *, offsets=None,
-               block_size: int = DEFAULT_BLOCK, source: str | None = None):
+               block_size: int = DEFAULT_BLOCK, source: str | None = None,
+               refine_iters: int = 0):
     self.rig: Rig = model.rig
     self.meta = meta or {}
     self.source = source
@@ -403,21 +412,26 @@ class IKSolver:
                     else self._template_offsets())
     graphdef, self._state = nnx.split(model)
     self._traces = [0]
-    self._forward = _make_forward(graphdef, self.rig, self._traces)
+    self.refine = None
+    if refine_iters > 0:
+      from ik_gat_jax import iterative_ik
+      self.refine = iterative_ik.SolverConfig(iters=int(refine_iters), lr=REFINE_LR, w_anchor=0.0)
+    self._forward = _make_forward(graphdef, self.rig, self._traces, self.refine)
     self._frames_cache: dict[bytes, tuple] = {}
 
   @classmethod
   def from_checkpoint(cls, path: str | os.PathLike | None = None, *, offsets=None,
                       offsets_from: str | os.PathLike | None = None,
                       expected_rig: Rig | str | None = None, block_size: int = DEFAULT_BLOCK,
-                      joint_map: str | None = None, bvh_units: str | float | None = None
-                      ) -> 'IKSolver':
+                      joint_map: str | None = None, bvh_units: str | float | None = None,
+                      refine_iters: int = 0) -> 'IKSolver':
     """Loads a run directory or checkpoint (None: `evaluation.SHIPPED_IKGAT`).
 
     `offsets [J, 3]` (metres) or `offsets_from` (a BVH: its rest offsets reduced to the rig,
     `joint_map`/`bvh_units` as for BVH input, `io.exports.read_bvh_offsets`) set the default
     subject; otherwise the checkpoint rig's template. `expected_rig` refuses a checkpoint for
-    another rig (CheckpointError).
+    another rig (CheckpointError). `refine_iters > 0` refines each solution with that many
+    iterations of the rotation solver (about 1.5-2x the time for 10-20; BENCHMARKS.md).
     """
     from ik_gat_jax import checkpointing, train
     if path is None:
@@ -436,7 +450,8 @@ class IKSolver:
       from ik_gat_jax.io import exports
       offsets = exports.read_bvh_offsets(offsets_from, model.rig, joint_map=joint_map,
                                          units=bvh_units)
-    return cls(model, meta, offsets=offsets, block_size=block_size, source=str(path))
+    return cls(model, meta, offsets=offsets, block_size=block_size, source=str(path),
+               refine_iters=refine_iters)
 
   # -- offsets ------------------------------------------------------------------------------
 

@@ -61,3 +61,15 @@ def test_cmu_clip_bvh_solve_bvh_with_the_shipped_model(cmu_dir, tmp_path):
   card = json.loads((SHIPPED / 'ikgat_base' / 'test_metrics.json').read_text())
   err_mm = 1000 * np.linalg.norm(p - clip.positions, axis=-1)[:, 1:].mean()
   assert err_mm < card['mpjpe_mm'] + 1.0, err_mm
+
+
+def test_solver_refine_flag_brings_joints_closer(cmu_dir, tmp_path):
+  from ik_gat_jax import IKSolver
+  from ik_gat_jax.io import exports
+  clip = exports.read_bvh_clip(cmu_dir / '07_05.bvh', skeleton.cmu_body(), max_frames=64)
+  err = []
+  for n in (0, 10):
+    sol = IKSolver.from_checkpoint(offsets=clip.offsets, refine_iters=n).solve(clip.positions,
+                                                                               full=True)
+    err.append(np.linalg.norm(sol.positions_fk - clip.positions, axis=-1)[:, 1:].mean())
+  assert err[1] < 0.8 * err[0], err
