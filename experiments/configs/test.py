@@ -10,7 +10,7 @@ from experiments.configs import default
 
 def get_config():
   c = default.get_config()
-  c.model.size = 'tiny'
-  c.train.update(steps=20, batch_size=32, warmup_steps=5, log_every=5, eval_every=10,
+  c.model.update(size='tiny', output_space='bone_aligned')
+  c.train.update(steps=20, batch_size=32, lr=1e-3, warmup_steps=5, log_every=5, eval_every=10,
                  checkpoint_every=10, val_frames=256, eval_batch_size=256)
   return c
