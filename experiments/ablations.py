@@ -1,0 +1,300 @@
+"""Ablation tables of issue E: train every variant at one step budget, then evaluate them.
+
+  python -m experiments.ablations --data=/tmp/cmu --mode=train    # resumable queue of runs
+  python -m experiments.ablations --data=/tmp/cmu --mode=report   # test-split tables (quiet CPU)
+
+Every row is the default recipe (experiments/configs/default.py: mixed output space, both-way
+tree adjacency, GAT attention, alpha 0.1, yaw + mirror + bone-length augmentation) at size
+small, trained for `--steps` steps of batch 256 (lr 2e-3, warm-up 200), with one thing changed.
+The baseline runs with three seeds; their spread is the seed noise each table marks differences
+against. Rows are trained one after another by `python -m experiments.train` (so each row's
+command is a plain training command, recorded in `<root>/manifest.json` with its status); rerun
+the same command after an interruption and finished rows are skipped, a stopped row resumes from
+its last checkpoint. `--mode=report` evaluates each finished row's best checkpoint on the whole
+test split (`evaluation.evaluate`, the numbers `experiments.evaluate` prints) and times its
+forward pass at batch 1024, writing `<root>/results.json` and `<root>/tables.md`. Time it on an
+otherwise idle machine: its frames/s column is a measurement, the error columns are not
+affected.
+"""
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from absl import app, flags
+
+from experiments.common import fail_on_user_error
+
+_DATA = flags.DEFINE_string('data', None, 'Shard directory.')
+_ROOT = flags.DEFINE_string('root', 'runs/ablations', 'Directory of the runs and tables.')
+_MODE = flags.DEFINE_enum('mode', 'train', ['train', 'report', 'list'], 'What to do.')
+_STEPS = flags.DEFINE_integer('steps', 2000, 'Training steps of every row.')
+_ONLY = flags.DEFINE_list('only', None, 'Rows to train / report (default: all).')
+_SKIP = flags.DEFINE_list('skip', [], 'Rows to leave out of training.')
+_SPLIT = flags.DEFINE_string('split', 'test', 'Split the report evaluates.')
+_NOISE_SIGMAS = flags.DEFINE_float('noise_sigmas', 2.0, 'Differences from the baseline smaller '
+                                   'than this many seed standard deviations are marked noise.')
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  table: str
+  variant: str  # label in its table
+  args: tuple[str, ...] = ()
+  seed: int = 0
+
+  @property
+  def name(self) -> str:
+    slug = re.sub(r'[^a-z0-9]+', '_', self.variant.split(' (')[0].replace('.', 'p').lower())
+    return f'{self.table}_{slug.strip("_")}_s{self.seed}'
+
+
+BASE_ARGS = ('--size=small', '--config.train.lr=2e-3', '--config.train.warmup_steps=200',
+             '--config.train.eval_every=1000', '--config.train.checkpoint_every=500')
+BASELINE = 'baseline'
+
+
+def _m(field, value):
+  return f'--config.model.{field}={value}'
+
+
+# The baseline appears in every table under the name of its setting there.
+ROWS = (
+    Row(BASELINE, 'baseline', (), 0),
+    Row('output', 'bone_aligned', (_m('output_space', 'bone_aligned'),)),
+    Row('output', 'local', (_m('output_space', 'local'),)),
+    Row('output', 'global', (_m('output_space', 'global'),)),
+    Row('adjacency', 'parent_to_child (one way)', (_m('adjacency', 'parent_to_child'),)),
+    Row('adjacency', 'child_to_parent (one way)', (_m('adjacency', 'child_to_parent'),)),
+    Row('adjacency', 'full (fully connected)', (_m('adjacency', 'full'),)),
+    Row('aggregation', 'mean (no attention)', (_m('aggregation', 'mean'),)),
+    Row('alpha', 'alpha=0', ('--config.loss.alpha=0.0',)),
+    Row('alpha', 'alpha=0.01', ('--config.loss.alpha=0.01',)),
+    Row('alpha', 'alpha=1', ('--config.loss.alpha=1.0',)),
+    Row('head', 'observed-direction head', (_m('observed_direction_head', True),)),
+    Row('heading', 'canonicalised, no yaw aug', (_m('heading_canonicalization', True),
+                                                 '--config.augment.yaw=False')),
+    Row('heading', 'neither', ('--config.augment.yaw=False',)),
+    Row('arch', 'mlp', (_m('arch', 'mlp'),)),
+    Row('arch', 'transformer', (_m('arch', 'transformer'),)),
+    Row(BASELINE, 'baseline', (), 1),
+    Row(BASELINE, 'baseline', (), 2),
+    Row('size', 'tiny', ('--size=tiny',)),
+    Row('adjacency', 'parent_to_child (one way)', (_m('adjacency', 'parent_to_child'),), 1),
+    Row('adjacency', 'child_to_parent (one way)', (_m('adjacency', 'child_to_parent'),), 1),
+    Row('adjacency', 'full (fully connected)', (_m('adjacency', 'full'),), 1),
+    Row('aggregation', 'mean (no attention)', (_m('aggregation', 'mean'),), 1),
+    Row('size', 'base', ('--size=base',)),
+    Row('size', 'large', ('--size=large',)),
+)
+# What the baseline is called in each table.
+BASELINE_LABEL = {'output': 'mixed (baseline)', 'adjacency': 'tree, both ways (baseline)',
+                  'aggregation': 'attention (baseline)', 'alpha': 'alpha=0.1 (baseline)',
+                  'head': 'no extra head (baseline)',
+                  'heading': 'yaw augmentation (baseline)', 'arch': 'ikgat (baseline)',
+                  'size': 'small (baseline)'}
+TABLE_TITLES = {'output': 'Output space', 'adjacency': 'Adjacency',
+                'aggregation': 'Attention vs mean aggregation', 'alpha': 'Position-loss weight alpha',
+                'head': 'Observed-direction head',
+                'heading': 'Heading canonicalisation vs yaw augmentation',
+                'arch': 'Architecture (about equal parameters)', 'size': 'Size (same steps)'}
+
+
+def command(row: Row, root: Path, data: str, steps: int) -> list[str]:
+  base = [a for a in BASE_ARGS
+          if not (a.startswith('--size=') and any(b.startswith('--size=') for b in row.args))]
+  return [sys.executable, '-m', 'experiments.train', f'--data={data}',
+          f'--workdir={root / row.name}', f'--steps={steps}', *base,
+          f'--config.seed={row.seed}', *row.args]
+
+
+def _status(workdir: Path) -> str:
+  try:
+    return json.loads((workdir / 'run.json').read_text())['status']
+  except (OSError, ValueError, KeyError):
+    return 'pending'
+
+
+def _write_json(path: Path, obj) -> None:
+  tmp = path.with_suffix('.tmp')
+  tmp.write_text(json.dumps(obj, indent=1))
+  os.replace(tmp, path)
+
+
+def _selected(rows):
+  only = set(_ONLY.value or [])
+  return [r for r in rows if not only or r.name in only]
+
+
+def train_all(root: Path, data: str, steps: int) -> None:
+  root.mkdir(parents=True, exist_ok=True)
+  manifest_path = root / 'manifest.json'
+  manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {'rows': {}}
+  manifest['queue_command'] = ' '.join(['python', '-m', 'experiments.ablations', *sys.argv[1:]])
+  rows = [r for r in _selected(ROWS) if r.name not in set(_SKIP.value)]
+  for i, row in enumerate(rows):
+    workdir = root / row.name
+    cmd = command(row, root, data, steps)
+    entry = manifest['rows'].setdefault(row.name, {})
+    entry.update(table=row.table, variant=row.variant, seed=row.seed,
+                 command=' '.join(['python', *cmd[1:]]), workdir=str(workdir))
+    if _status(workdir) == 'done':
+      entry['status'] = 'done'
+      continue
+    print(f'[{i + 1}/{len(rows)}] {row.name}: {entry["command"]}', flush=True)
+    entry['status'] = 'running'
+    _write_json(manifest_path, manifest)
+    t0 = time.time()
+    log = open(root / f'{row.name}.log', 'a')
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+      rc = proc.wait()
+    except KeyboardInterrupt:  # pass the stop on; the trainer saves and exits
+      proc.send_signal(signal.SIGINT)
+      proc.wait()
+      entry['status'] = 'interrupted'
+      _write_json(manifest_path, manifest)
+      raise
+    entry['wall_seconds'] = entry.get('wall_seconds', 0.0) + time.time() - t0
+    entry['status'] = 'done' if rc == 0 and _status(workdir) == 'done' else f'failed (rc {rc})'
+    _write_json(manifest_path, manifest)
+    print(f'  -> {entry["status"]} in {time.time() - t0:.0f} s', flush=True)
+  _write_json(manifest_path, manifest)
+
+
+def _forward_fps(method, positions, offsets, batch: int = 1024, reps: int = 7) -> float:
+  import jax
+  import numpy as np
+  pos, off = jax.device_put(positions[:batch]), jax.device_put(offsets[:batch])
+  jax.block_until_ready(method.solve(pos, off))
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(method.solve(pos, off))
+    times.append(time.perf_counter() - t)
+  return batch / float(np.median(times))
+
+
+KEYS = ('local_rot_err_deg', 'root_rot_err_deg', 'twist_err_deg', 'swing_err_deg', 'mpjpe_mm',
+        'local_rot_err_deg_leaf')
+
+
+def report(root: Path, data_dir: str, split: str) -> None:
+  import numpy as np
+  from ik_gat_jax import data as data_lib, evaluation, input_pipeline
+  data = data_lib.load_shards(data_dir, split)
+  rig = data.rig
+  manifest = json.loads((root / 'manifest.json').read_text())
+  results_path = root / 'results.json'
+  results = json.loads(results_path.read_text()) if results_path.exists() else {}
+  idx = np.arange(len(data))
+  batch = input_pipeline.gather_batch(data, idx[:1024])
+  for row in _selected(ROWS):
+    workdir = root / row.name
+    if _status(workdir) != 'done' or row.name in results:
+      continue
+    method = evaluation.make_method('ikgat', rig, checkpoint=workdir)
+    r = evaluation.evaluate(method, data, rig)
+    meta_params = sum(int(np.prod(np.shape(x))) for x in _params(workdir))
+    run = json.loads((workdir / 'run.json').read_text())
+    results[row.name] = {
+        'table': row.table, 'variant': row.variant, 'seed': row.seed,
+        **{k: r[k] for k in KEYS}, 'params': meta_params,
+        'forward_frames_per_s': _forward_fps(method, np.asarray(batch['positions']),
+                                             np.asarray(batch['offsets'])),
+        'train_wall_s': manifest['rows'].get(row.name, {}).get('wall_seconds'),
+        'val_local_rot_err_deg': run.get('val', {}).get('local_rot_err_deg'),
+        'command': manifest['rows'].get(row.name, {}).get('command'), 'split': split,
+        'frames': r['frames']}
+    print(f'{row.name}: local {r["local_rot_err_deg"]:.2f} deg, MPJPE {r["mpjpe_mm"]:.2f} mm, '
+          f'{results[row.name]["forward_frames_per_s"]:,.0f} frames/s', flush=True)
+    _write_json(results_path, results)
+  (root / 'tables.md').write_text(tables_markdown(results))
+  print(f'wrote {results_path} and {root / "tables.md"}')
+
+
+def _params(workdir: Path):
+  import jax
+  from flax import nnx
+  from ik_gat_jax import train
+  model, _ = train.load_model(workdir)
+  return jax.tree.leaves(nnx.state(model, nnx.Param))
+
+
+def _agg(rs: list[dict]) -> dict:
+  import numpy as np
+  out = {k: float(np.mean([r[k] for r in rs])) for k in (*KEYS, 'forward_frames_per_s')}
+  out['std'] = float(np.std([r['local_rot_err_deg'] for r in rs], ddof=1)) if len(rs) > 1 else None
+  out['seeds'] = len(rs)
+  out['params'] = rs[0]['params']
+  walls = [r['train_wall_s'] for r in rs if r.get('train_wall_s')]
+  out['train_min'] = float(np.mean(walls)) / 60 if walls else None
+  return out
+
+
+def tables_markdown(results: dict) -> str:
+  groups: dict[tuple[str, str], list[dict]] = {}
+  for r in results.values():
+    groups.setdefault((r['table'], r['variant']), []).append(r)
+  base = groups.get((BASELINE, 'baseline'))
+  if not base:
+    return 'no baseline yet\n'
+  b = _agg(base)
+  noise = b['std'] if b['std'] is not None else None
+  lines = [f'Baseline: {len(base)} seed(s), test local error {b["local_rot_err_deg"]:.2f} deg'
+           + (f' (seed std {noise:.2f} deg; rows whose difference is under '
+              f'{_NOISE_SIGMAS.value:g} std, {_NOISE_SIGMAS.value * noise:.2f} deg, are marked '
+              '"~" = within seed noise)' if noise is not None else '') + '.', '']
+  header = ('| variant | seeds | local (deg) | vs baseline | root (deg) | twist (deg) | '
+            'swing (deg) | leaves (deg) | MPJPE (mm) | params | frames/s (batch 1024) | '
+            'train (min) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
+  for table, title in TABLE_TITLES.items():
+    rows = [(BASELINE_LABEL[table], b)] + [
+        (variant, _agg(rs)) for (t, variant), rs in groups.items() if t == table]
+    if len(rows) == 1:
+      continue
+    lines += [f'### {title}', '', header]
+    for label, a in rows:
+      d = a['local_rot_err_deg'] - b['local_rot_err_deg']
+      mark = '' if a is b else (
+          f'{d:+.2f}' + (' ~' if noise is not None and abs(d) < _NOISE_SIGMAS.value * noise
+                          else ''))
+      std = f' ± {a["std"]:.2f}' if a['std'] is not None else ''
+      train_min = f'{a["train_min"]:.1f}' if a['train_min'] else '-'
+      lines.append(f'| {label} | {a["seeds"]} | {a["local_rot_err_deg"]:.2f}{std} | {mark} | '
+                   f'{a["root_rot_err_deg"]:.2f} | {a["twist_err_deg"]:.2f} | '
+                   f'{a["swing_err_deg"]:.2f} | {a["local_rot_err_deg_leaf"]:.2f} | '
+                   f'{a["mpjpe_mm"]:.2f} | {a["params"]:,} | '
+                   f'{a["forward_frames_per_s"]:,.0f} | {train_min} |')
+    lines.append('')
+  return '\n'.join(lines)
+
+
+@fail_on_user_error
+def main(argv):
+  del argv
+  root = Path(_ROOT.value)
+  if _MODE.value == 'list':
+    for row in _selected(ROWS):
+      print(row.name, _status(root / row.name), ' '.join(command(row, root, _DATA.value or 'DIR',
+                                                                  _STEPS.value)[1:]))
+    return
+  if not _DATA.value:
+    raise ValueError('--data is required')
+  if _MODE.value == 'train':
+    try:
+      train_all(root, _DATA.value, _STEPS.value)
+    except KeyboardInterrupt:
+      sys.exit(130)
+  else:
+    report(root, _DATA.value, _SPLIT.value)
+
+
+if __name__ == '__main__':
+  app.run(main)
