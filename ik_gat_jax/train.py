@@ -513,8 +513,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         save_latest(step, 'running')
   except KeyboardInterrupt:
     if _is_deleted(state):  # a second Ctrl-C inside a step that had donated the state
-      log(f'interrupted inside step {step}; the last saved checkpoint stands. Rerun the same '
-          'command to resume from it.')
+      saved_step = latest.latest_step()
+      if chief:  # the manifest must not keep saying 'running'
+        write_json_atomic(workdir / 'run.json', {
+            **manifest, 'status': 'interrupted', 'step': saved_step, 'val': last_val,
+            'best_value': best_value})
+      log(f'interrupted inside step {step}; the last saved checkpoint (step {saved_step}) '
+          'stands. Rerun the same command to resume from it.')
     else:
       save_latest(step, 'interrupted')
       log(f'interrupted at step {step}; checkpoint saved. Rerun the same command to resume.')
