@@ -83,6 +83,7 @@ ROWS = (
     Row('heading', 'neither', ('--config.augment.yaw=False',)),
     Row('arch', 'mlp', (_m('arch', 'mlp'),)),
     Row('arch', 'transformer', (_m('arch', 'transformer'),)),
+    Row('noise', 'noise_mm=10 augmentation', ('--config.augment.noise_mm=10.0',)),
     Row(BASELINE, 'baseline', (), 1),
     Row(BASELINE, 'baseline', (), 2),
     Row('size', 'tiny', ('--size=tiny',)),
@@ -98,12 +99,13 @@ BASELINE_LABEL = {'output': 'mixed (baseline)', 'adjacency': 'tree, both ways (b
                   'aggregation': 'attention (baseline)', 'alpha': 'alpha=0.1 (baseline)',
                   'head': 'no extra head (baseline)',
                   'heading': 'yaw augmentation (baseline)', 'arch': 'ikgat (baseline)',
-                  'size': 'small (baseline)'}
+                  'size': 'small (baseline)', 'noise': 'no noise augmentation (baseline)'}
 TABLE_TITLES = {'output': 'Output space', 'adjacency': 'Adjacency',
                 'aggregation': 'Attention vs mean aggregation', 'alpha': 'Position-loss weight alpha',
                 'head': 'Observed-direction head',
                 'heading': 'Heading canonicalisation vs yaw augmentation',
-                'arch': 'Architecture (about equal parameters)', 'size': 'Size (same steps)'}
+                'arch': 'Architecture (about equal parameters)', 'size': 'Size (same steps)',
+                'noise': 'Input-noise augmentation (errors at 0 mm; noisy inputs below)'}
 
 
 def command(row: Row, root: Path, data: str, steps: int) -> list[str]:
@@ -181,6 +183,7 @@ def _forward_fps(method, positions, offsets, batch: int = 1024, reps: int = 7) -
   return batch / float(np.median(times))
 
 
+NOISE_LEVELS_MM = (10, 20, 50)
 KEYS = ('local_rot_err_deg', 'root_rot_err_deg', 'twist_err_deg', 'swing_err_deg', 'mpjpe_mm',
         'local_rot_err_deg_leaf')
 
@@ -205,13 +208,19 @@ def report(root: Path, data_dir: str, split: str) -> None:
     run = json.loads((workdir / 'run.json').read_text())
     results[row.name] = {
         'table': row.table, 'variant': row.variant, 'seed': row.seed,
-        **{k: r[k] for k in KEYS}, 'params': meta_params,
+        **{k: r[k] for k in KEYS[:-1]},
+        'local_rot_err_deg_leaf': r['local_rot_err_deg_by_class']['leaf'],
+        'per_joint': r['per_joint'], 'params': meta_params,
         'forward_frames_per_s': _forward_fps(method, np.asarray(batch['positions']),
                                              np.asarray(batch['offsets'])),
         'train_wall_s': manifest['rows'].get(row.name, {}).get('wall_seconds'),
         'val_local_rot_err_deg': run.get('val', {}).get('local_rot_err_deg'),
         'command': manifest['rows'].get(row.name, {}).get('command'), 'split': split,
         'frames': r['frames']}
+    if row.table == 'noise' or (row.table == BASELINE and row.seed == 0):
+      results[row.name]['noisy_local_rot_err_deg'] = {
+          str(mm): evaluation.evaluate(method, data, rig, noise_mm=mm)['local_rot_err_deg']
+          for mm in NOISE_LEVELS_MM}
     print(f'{row.name}: local {r["local_rot_err_deg"]:.2f} deg, MPJPE {r["mpjpe_mm"]:.2f} mm, '
           f'{results[row.name]["forward_frames_per_s"]:,.0f} frames/s', flush=True)
     _write_json(results_path, results)
@@ -272,6 +281,15 @@ def tables_markdown(results: dict) -> str:
                    f'{a["swing_err_deg"]:.2f} | {a["local_rot_err_deg_leaf"]:.2f} | '
                    f'{a["mpjpe_mm"]:.2f} | {a["params"]:,} | '
                    f'{a["forward_frames_per_s"]:,.0f} | {train_min} |')
+    lines.append('')
+  noisy = [(r['variant'], r['noisy_local_rot_err_deg']) for r in results.values()
+           if 'noisy_local_rot_err_deg' in r]
+  if len(noisy) > 1:
+    lines += ['Local error (deg) with Gaussian input noise (sigma per coordinate, seed 0):', '',
+              '| model | ' + ' | '.join(f'{mm} mm' for mm in NOISE_LEVELS_MM) + ' |',
+              '|---|' + '---:|' * len(NOISE_LEVELS_MM)]
+    lines += [f'| {v} | ' + ' | '.join(f'{n[str(mm)]:.2f}' for mm in NOISE_LEVELS_MM) + ' |'
+              for v, n in noisy]
     lines.append('')
   return '\n'.join(lines)
 
