@@ -143,3 +143,92 @@ def compute_errors_batched(pred_local: np.ndarray, true_local: np.ndarray, offse
     for k, v in res.items():
       chunks[k].append(np.asarray(v)[:stop - start])
   return {k: np.concatenate(v) for k, v in chunks.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Temporal stability (issue G3): jitter = mean angular acceleration of the local rotations.
+
+
+def angular_acceleration(local_rot: jax.Array, fps: float | jax.Array) -> jax.Array:
+  """Magnitude of the angular acceleration of each joint's local rotation, rad/s^2.
+
+  Angular velocity `w_t = log(R_t.T @ R_{t+1}) * fps` (rotation vector, body frame of R_t),
+  acceleration `|w_{t+1} - w_t| * fps`.
+
+  Args:
+    local_rot: `[T, J, 3, 3]` parent-relative rotations of consecutive frames of one clip.
+    fps: frame rate (frames per second).
+
+  Returns:
+    `[T - 2, J]`; entry t uses frames t, t + 1, t + 2.
+  """
+  w = rotations.relative_axis_angle(local_rot[:-1], local_rot[1:]) * fps
+  return rotations.safe_norm(w[1:] - w[:-1]) * fps
+
+
+angular_acceleration_jit = jax.jit(angular_acceleration)
+
+
+def clip_triples(file_ids: np.ndarray, frame_index: np.ndarray | None = None) -> np.ndarray:
+  """`[T - 2]` bool: frames t, t + 1, t + 2 lie in one clip (same file and, given
+  `frame_index`, consecutive frame numbers), so an acceleration there is real motion."""
+  f = np.asarray(file_ids)
+  ok = (f[:-2] == f[1:-1]) & (f[1:-1] == f[2:])
+  if frame_index is not None:
+    k = np.asarray(frame_index)
+    ok &= (k[1:-1] == k[:-2] + 1) & (k[2:] == k[1:-1] + 1)
+  return ok
+
+
+def joint_jitter(local_rot: np.ndarray, file_ids: np.ndarray, fps: float,
+                 frame_index: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+  """Mean angular acceleration per joint (deg/s^2) over the clips of a frame sequence.
+
+  Frames are in clip order (a clip's frames contiguous, in time order); accelerations that
+  would straddle two files (or a gap in `frame_index`) are dropped, never computed across.
+
+  Args:
+    local_rot: `[T, J, 3, 3]` local rotations.
+    file_ids: `[T]` clip (file) of each frame.
+    fps: frame rate.
+    frame_index: optional `[T]` frame number within its file.
+
+  Returns:
+    (`[J]` mean over valid accelerations in deg/s^2 (NaN without any), how many there were).
+  """
+  R = np.asarray(local_rot, np.float32)
+  T = R.shape[0]
+  if T < 3:
+    return np.full(R.shape[1], np.nan), 0
+  ok = clip_triples(file_ids, frame_index)
+  # Pad to a power of two: few compiled shapes. Padded frames repeat the last one (ok=False).
+  L = 1 << (T - 1).bit_length()
+  R = np.concatenate([R, np.repeat(R[-1:], L - T, 0)])
+  acc = np.asarray(angular_acceleration_jit(jnp.asarray(R), float(fps)), np.float64)[:T - 2]
+  n = int(ok.sum())
+  if n == 0:
+    return np.full(R.shape[1], np.nan), 0
+  return np.degrees(acc[ok].mean(axis=0)), n
+
+
+def jitter_summary(pred_local: np.ndarray, true_local: np.ndarray, file_ids: np.ndarray,
+                   fps: float, rig: Rig, frame_index: np.ndarray | None = None) -> dict:
+  """The method's jitter against the ground truth's, as JSON fields (all joints, root included:
+  the root's local rotation is the body's heading, whose shake shows as much as a limb's).
+
+  Returns `jitter_deg_s2` (mean over joints and accelerations), `gt_jitter_deg_s2`,
+  `jitter_ratio` (method / ground truth), `jitter_samples` (accelerations per joint) and
+  `per_joint_jitter` (joint -> {jitter_deg_s2, gt_jitter_deg_s2}); {} with no three
+  consecutive frames of one clip.
+  """
+  pred, n = joint_jitter(pred_local, file_ids, fps, frame_index)
+  if n == 0:
+    return {}
+  true, _ = joint_jitter(true_local, file_ids, fps, frame_index)
+  out = {'jitter_deg_s2': float(pred.mean()), 'gt_jitter_deg_s2': float(true.mean()),
+         'jitter_samples': n}
+  out['jitter_ratio'] = out['jitter_deg_s2'] / max(out['gt_jitter_deg_s2'], 1e-12)
+  out['per_joint_jitter'] = {
+      name: {'jitter_deg_s2': float(pred[j]), 'gt_jitter_deg_s2': float(true[j])}
+      for j, name in enumerate(rig.joint_names)}
+  return out

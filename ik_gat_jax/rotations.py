@@ -141,6 +141,21 @@ def axis_angle_from_matrix(R: jax.Array) -> jax.Array:
   return axis_angle_from_quat(quat_from_matrix(R))
 
 
+def relative_axis_angle(R_a: jax.Array, R_b: jax.Array) -> jax.Array:
+  """Rotation vector `[..., 3]` of `R_a.T @ R_b` (both `[..., 3, 3]`): the step from `R_a` to
+  `R_b` in `R_a`'s own (body) frame, `R_b = R_a @ exp(v)`; angle in [0, pi]."""
+  return axis_angle_from_matrix(jnp.swapaxes(R_a, -1, -2) @ R_b)
+
+
+def matrix_slerp(R_0: jax.Array, R_1: jax.Array, t: jax.Array) -> jax.Array:
+  """Geodesic interpolation `R_0 @ exp(t * log(R_0.T @ R_1))`, `[..., 3, 3]`, `t: [...]`.
+
+  t = 0 gives R_0, t = 1 gives R_1 (up to rounding); the shorter arc (angle <= pi).
+  """
+  v = relative_axis_angle(R_0, R_1)
+  return R_0 @ matrix_from_axis_angle(jnp.asarray(t)[..., None] * v)
+
+
 def axis_rotation(axis: str, angle: jax.Array) -> jax.Array:
   """Rotation by `angle: [...]` radians about the principal axis 'x', 'y' or 'z' -> `[..., 3, 3]`."""
   c, s = jnp.cos(angle), jnp.sin(angle)
