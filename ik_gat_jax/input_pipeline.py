@@ -34,6 +34,7 @@ import numpy as np
 from ik_gat_jax import bone_frames as bf
 from ik_gat_jax import kinematics
 from ik_gat_jax import rotations
+from ik_gat_jax import trackers
 from ik_gat_jax.skeleton import Rig
 
 BATCH_KEYS = ('positions', 'local_rot', 'offsets', 'bone_frames')
@@ -216,6 +217,9 @@ def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
   `aug` fields: yaw (bool: uniform rotation about up), mirror (probability), bone_scale
   (half-width s: per-bone factors U[1-s, 1+s] shared by mirror pairs, directions kept),
   noise_mm (Gaussian sigma added to `input_positions` only). Adds `input_positions`.
+  Sparse inputs (G2, `sample_input_masks`): joint_dropout, tracker_subsets, orientation_prob
+  add `joint_mask` / `orientations` + `orientation_mask`; their keys come from `fold_in`, so the
+  other augmentations draw exactly what they drew before these existed.
   """
   k_yaw, k_mir, k_scale, k_noise = jax.random.split(key, 4)
   B_ = batch['positions'].shape[0]
@@ -242,4 +246,37 @@ def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
   noisy = batch['positions']
   if aug.noise_mm > 0:
     noisy = noisy + 1e-3 * aug.noise_mm * jax.random.normal(k_noise, noisy.shape)
-  return {**batch, 'input_positions': noisy}
+  batch = {**batch, 'input_positions': noisy}
+  return {**batch, **sample_input_masks(jax.random.fold_in(key, 0x62), batch, aug, rig)}
+
+
+def sample_input_masks(key: jax.Array, batch: dict, aug: Any, rig: Rig) -> dict:
+  """Random sparse-input masks for one batch (issue G2); {} when all are off.
+
+  `aug` fields (absent = 0): joint_dropout p (per frame a rate r ~ U[0, p], then every joint,
+  the root included, dropped with probability r), tracker_subsets q (per frame, with
+  probability q the mask is instead one of the rig's named subsets, uniformly), orientation_prob
+  o (each joint's world rotation given with probability o, independently of its position; the
+  model uses only its `orientation_inputs` joints). Returns `joint_mask [B, J]` bool and/or
+  `orientations [B, J, 3, 3]` (G from the batch's local rotations) + `orientation_mask [B, J]`.
+  """
+  p, q = float(aug.get('joint_dropout', 0.0)), float(aug.get('tracker_subsets', 0.0))
+  o = float(aug.get('orientation_prob', 0.0))
+  B_, J = batch['positions'].shape[:2]
+  k_rate, k_drop, k_use, k_pick, k_orient = jax.random.split(key, 5)
+  out = {}
+  if p > 0 or q > 0:
+    rate = jax.random.uniform(k_rate, (B_, 1), maxval=p)
+    mask = jax.random.uniform(k_drop, (B_, J)) >= rate
+    if q > 0:
+      subsets = trackers.subset_masks(rig)
+      if not len(subsets):
+        raise ValueError(f'augment.tracker_subsets={q} but rig {rig.name!r} has no named '
+                         'tracker subsets (ik_gat_jax/trackers.py)')
+      pick = jnp.asarray(subsets)[jax.random.randint(k_pick, (B_,), 0, len(subsets))]
+      mask = jnp.where(jax.random.uniform(k_use, (B_, 1)) < q, pick, mask)
+    out['joint_mask'] = mask
+  if o > 0:
+    out['orientations'] = kinematics.local_to_global(batch['local_rot'], rig.parents)
+    out['orientation_mask'] = jax.random.uniform(k_orient, (B_, J)) < o
+  return out

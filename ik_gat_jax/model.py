@@ -40,6 +40,23 @@ Backbones:
                  sub-block (d -> 2d -> d) per block; width from `DENSE_HIDDEN` (similar
                  parameter count to IK-GAT of the same size). Graph fields are ignored.
   'mlp'          flattened joints `[B, 3J]` -> L hidden layers (ELU, dropout) -> `[B, 6J]`.
+Sparse inputs (issue G2; both off by default, which leaves the network and its parameters as
+before). Optional keyword inputs of `IKModel.__call__`:
+  joint_mask [..., J] (bool or float, 1 = observed; absent = all observed), needs
+    `config.joint_mask`. Masked positions never reach the network: they are replaced by 0 with
+    `jnp.where` before any use (so NaN/inf there cannot leak and their gradient is exactly 0),
+    and every use of positions is restricted to observed joints: the centre (step 1) is the root
+    where it is observed, else the mean of the observed joints (0 if none); the scale (step 2)
+    is the mean over bones whose both ends are observed (1 if none); the heading (step 3) needs
+    both hips, else it stays at identity (no canonicalisation for that example); the observed
+    direction (step 5) needs the joint and its designated child. The centred input is zeroed
+    again at masked joints and the flag is an input channel of the per-joint projection.
+  orientations [..., J, 3, 3] world rotations G_j and orientation_mask [..., J] (1 = given;
+    absent = all given), needs `config.orientation_inputs` (joint names): the 6D of G_j (in the
+    canonical frame when heading canonicalisation is on) and a given-flag are 7 more input
+    channels, zero for joints not named in the config or not given (`jnp.where`, as above).
+  `extra_inputs(batch, config)` picks these keys from a batch dict for the model.
+
 Every head's last layer starts near the identity 6D (bias (1,0,0,0,1,0), weights ~1e-3).
 The static skeleton structure (parents, designated children, adjacency) stays Python tuples:
 `Rig` and `ModelConfig` are frozen dataclasses, held as static module attributes.
@@ -82,6 +99,9 @@ class ModelConfig:
 
   `hidden`, `num_layers`, `num_heads`, `head_hidden` override the size's defaults when set.
   `adjacency`, `aggregation`, `scoring` and `pooled_global_feature` apply to 'ikgat' only.
+  `joint_mask` adds a per-joint observed flag to the input (sparse trackers, dropped joints) and
+  `orientation_inputs` names the joints whose world rotation may be given (XR trackers); see
+  "Sparse inputs" in the module docstring. Both default off: such models are unchanged.
   """
   arch: str = 'ikgat'
   size: str = 'small'
@@ -98,8 +118,15 @@ class ModelConfig:
   heading_canonicalization: bool = False
   scale_normalization: bool = False
   pooled_global_feature: bool = False
+  joint_mask: bool = False
+  orientation_inputs: tuple[str, ...] = ()
 
   def __post_init__(self):
+    # JSON and flags give lists or a comma-separated string; keep a (hashable) tuple.
+    names = self.orientation_inputs
+    if isinstance(names, str):
+      names = [n.strip() for n in names.split(',') if n.strip()]
+    object.__setattr__(self, 'orientation_inputs', tuple(names))
     for name, allowed in (('arch', ARCHS), ('size', tuple(SIZES)), ('adjacency', ADJACENCIES),
                           ('aggregation', AGGREGATIONS), ('scoring', SCORINGS),
                           ('output_space', OUTPUT_SPACES)):
@@ -121,6 +148,11 @@ class ModelConfig:
     # The head's hidden width d/3 (rounded up to 8) puts base at ~374K parameters.
     return (d, self.num_layers or layers, self.num_heads or heads,
             self.head_hidden or 8 * math.ceil(d / 24))
+
+  @property
+  def input_features(self) -> int:
+    """Per-joint input width: position (3), observed flag (1), 6D orientation and its flag (7)."""
+    return 3 + int(self.joint_mask) + 7 * bool(self.orientation_inputs)
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -194,7 +226,7 @@ class Block(nnx.Module):
 
 
 class GraphNet(nnx.Module):
-  """IK-GAT / Transformer backbone: positions `[B, J, 3]` -> 6D `[B, J, 6]`.
+  """IK-GAT / Transformer backbone: per-joint inputs `[B, J, d_in]` -> 6D `[B, J, 6]`.
 
   Node i's output depends only on the inputs of nodes within L hops (the input projection, the
   shortcut and the head are per joint), unless `pooled` mixes in the whole body.
@@ -202,8 +234,8 @@ class GraphNet(nnx.Module):
 
   def __init__(self, num_joints: int, adjacency, *, d: int, num_layers: int, num_heads: int,
                head_hidden: int, scoring: str, aggregation: str, dropout: float,
-               pooled: bool, ffn: bool, rngs: nnx.Rngs):
-    self.embed = PerJointLinear(num_joints, 3, d, rngs)
+               pooled: bool, ffn: bool, rngs: nnx.Rngs, d_in: int = 3):
+    self.embed = PerJointLinear(num_joints, d_in, d, rngs)
     self.blocks = nnx.List([
         Block(d, adjacency, num_heads=num_heads, scoring=scoring, aggregation=aggregation,
               dropout=dropout, pooled=pooled, ffn=ffn, rngs=rngs) for _ in range(num_layers)])
@@ -219,11 +251,11 @@ class GraphNet(nnx.Module):
 
 
 class MLPNet(nnx.Module):
-  """Dense baseline: positions `[B, J, 3]` flattened -> L hidden layers -> 6D `[B, J, 6]`."""
+  """Dense baseline: per-joint inputs `[B, J, d_in]` flattened -> L hidden layers -> 6D `[B, J, 6]`."""
 
   def __init__(self, num_joints: int, *, d: int, num_layers: int, dropout: float,
-               rngs: nnx.Rngs):
-    widths = [3 * num_joints] + [d] * num_layers
+               rngs: nnx.Rngs, d_in: int = 3):
+    widths = [d_in * num_joints] + [d] * num_layers
     self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(widths, widths[1:])])
     self.dropout = nnx.Dropout(dropout, rngs=rngs)
     self.out = _sixd_output(d, num_joints, rngs)
@@ -286,14 +318,33 @@ def heading_rotation(x: jax.Array, rig: Rig, hips: tuple[int, int]) -> jax.Array
   return canon @ jnp.swapaxes(frame, -1, -2)
 
 
-def observed_directions(x: jax.Array, rig: Rig) -> tuple[jax.Array, jax.Array]:
+def observed_directions(x: jax.Array, rig: Rig,
+                        mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """`x: [B, J, 3]` -> (unit direction to the designated child `[B, J, 3]`, valid `[B, J]`);
-  invalid for leaves and where the child sits on the joint."""
+  invalid for leaves, where the child sits on the joint, and (with `mask: [B, J]` bool) where
+  the joint or its child is not observed."""
   child = np.asarray([c if c >= 0 else j for j, c in enumerate(rig.designated_children)])
   has = np.asarray([c >= 0 for c in rig.designated_children])
   v = x[:, child] - x
   valid = has & (rotations.safe_norm(v) > 1e-6)
+  if mask is not None:
+    valid = valid & mask & mask[:, child]
   return rotations.normalize(v), valid
+
+
+def observed_centre(positions: jax.Array, mask: jax.Array) -> jax.Array:
+  """`positions: [B, J, 3]` (zero where masked), `mask: [B, J]` bool -> `[B, 3]`: the root where
+  it is observed, else the mean of the observed joints (0 when none is)."""
+  m = mask.astype(positions.dtype)[..., None]
+  mean = jnp.sum(positions * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
+  return jnp.where(mask[:, :1], positions[:, 0], mean)
+
+
+def extra_inputs(batch: Mapping[str, Any], config: ModelConfig) -> dict[str, Any]:
+  """The optional model inputs (module docstring) that `batch` holds and `config` takes."""
+  keys = (('joint_mask',) if config.joint_mask else ()) + (
+      ('orientations', 'orientation_mask') if config.orientation_inputs else ())
+  return {k: batch[k] for k in keys if k in batch}
 
 
 class IKModel(nnx.Module):
@@ -303,9 +354,16 @@ class IKModel(nnx.Module):
     self.config, self.rig = config, rig
     self.hips = hip_pair(rig) if config.heading_canonicalization else None
     J = rig.num_joints
+    unknown = [n for n in config.orientation_inputs if n not in rig.joint_names]
+    if unknown:
+      raise ValueError(f'orientation_inputs {unknown} are not joints of rig {rig.name!r}')
+    # Static per-joint flag: does this joint take an orientation input?
+    self.orientation_joints = tuple(n in config.orientation_inputs for n in rig.joint_names)
     d, layers, heads, head_hidden = config.dims
+    d_in = config.input_features
     if config.arch == 'mlp':
-      self.backbone = MLPNet(J, d=d, num_layers=layers, dropout=config.dropout, rngs=rngs)
+      self.backbone = MLPNet(J, d=d, num_layers=layers, dropout=config.dropout, rngs=rngs,
+                             d_in=d_in)
     else:
       graph = config.arch == 'ikgat'
       self.backbone = GraphNet(
@@ -313,27 +371,95 @@ class IKModel(nnx.Module):
           num_heads=heads, head_hidden=head_hidden,
           scoring=config.scoring if graph else 'dot',
           aggregation=config.aggregation if graph else 'attention', dropout=config.dropout,
-          pooled=graph and config.pooled_global_feature, ffn=not graph, rngs=rngs)
+          pooled=graph and config.pooled_global_feature, ffn=not graph, rngs=rngs, d_in=d_in)
 
-  def canonical_input(self, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """`[B, J, 3]` -> (network input `[B, J, 3]`, `C_canon_world [B, 3, 3]` or None)."""
-    x = positions - positions[:, :1]
+  def canonical_input(self, positions: jax.Array, mask: jax.Array | None = None
+                      ) -> tuple[jax.Array, jax.Array | None]:
+    """`[B, J, 3]` -> (network input `[B, J, 3]`, `C_canon_world [B, 3, 3]` or None).
+
+    `mask: [B, J]` bool (1 = observed) or None (all observed, the original path): the input is
+    zero at masked joints and a function of the observed positions only (module docstring).
+    """
+    if mask is None:
+      x = positions - positions[:, :1]
+    else:
+      positions = jnp.where(mask[..., None], positions, 0.0)  # first: NaN/inf never get through
+      x = jnp.where(mask[..., None], positions - observed_centre(positions, mask)[:, None], 0.0)
     if self.config.scale_normalization:
       bones = np.asarray(_scale_bones(self.rig))
       parents = np.asarray(self.rig.parents)[bones]
-      s = jnp.mean(rotations.safe_norm(x[:, bones] - x[:, parents]), axis=-1)
+      lengths = rotations.safe_norm(x[:, bones] - x[:, parents])
+      if mask is None:
+        s = jnp.mean(lengths, axis=-1)
+      else:  # bones with both ends observed
+        both = mask[:, bones] & mask[:, parents]
+        s = jnp.sum(jnp.where(both, lengths, 0.0), -1) / jnp.maximum(jnp.sum(both, -1), 1)
       x = x / jnp.where(s > 1e-6, s, 1.0)[:, None, None]
     if not self.config.heading_canonicalization:
       return x, None
     C = heading_rotation(x, self.rig, self.hips)
+    if mask is not None:  # a hip not observed: no canonicalisation for that example
+      hips_seen = mask[:, self.hips[0]] & mask[:, self.hips[1]]
+      C = jnp.where(hips_seen[:, None, None], C, jnp.eye(3, dtype=C.dtype))
     return jnp.einsum('bij,bkj->bki', C, x), C
 
-  def __call__(self, positions: jax.Array, *, deterministic: bool) -> jax.Array:
+  def _input_masks(self, joint_mask, orientations, orientation_mask, B: int):
+    """Checks the optional inputs against the config; returns (joint mask [B, J] bool or None,
+    orientation flags [B, J] bool or None)."""
+    J = self.rig.num_joints
+    if joint_mask is not None and not self.config.joint_mask:
+      raise ValueError('this model was trained without joint masks (ModelConfig.joint_mask='
+                       'False): it needs every joint; retrain with joint_mask=True')
+    if orientations is not None and not self.config.orientation_inputs:
+      raise ValueError('this model takes no orientation inputs (ModelConfig.orientation_inputs '
+                       'is empty)')
+    mask = None
+    if self.config.joint_mask:
+      mask = (jnp.ones((B, J), bool) if joint_mask is None else
+              jnp.broadcast_to(jnp.asarray(joint_mask) > 0.5, (B, J)))
+    given = None
+    if self.config.orientation_inputs:
+      given = jnp.zeros((B, J), bool) if orientations is None else (
+          jnp.ones((B, J), bool) if orientation_mask is None else
+          jnp.broadcast_to(jnp.asarray(orientation_mask) > 0.5, (B, J)))
+      given = given & np.asarray(self.orientation_joints)
+    return mask, given
+
+  def input_features(self, x: jax.Array, C: jax.Array | None, mask, orientations,
+                     given) -> jax.Array:
+    """Canonical positions `[B, J, 3]` (+ observed flag, + 6D orientation and given-flag) ->
+    the per-joint network input `[B, J, config.input_features]`."""
+    feats = [x]
+    if mask is not None:
+      feats.append(mask[..., None].astype(x.dtype))
+    if given is not None:
+      if orientations is None:
+        sixd = jnp.zeros(x.shape[:-1] + (6,), x.dtype)
+      else:
+        G = jnp.where(given[..., None, None], orientations.astype(x.dtype), 0.0)
+        if C is not None:  # into the canonical frame, like the positions
+          G = C[:, None] @ G
+        sixd = jnp.where(given[..., None], rotations.sixd_from_matrix(G), 0.0)
+      feats += [sixd, given[..., None].astype(x.dtype)]
+    return feats[0] if len(feats) == 1 else jnp.concatenate(feats, axis=-1)
+
+  def __call__(self, positions: jax.Array, *, deterministic: bool,
+               joint_mask: jax.Array | None = None, orientations: jax.Array | None = None,
+               orientation_mask: jax.Array | None = None) -> jax.Array:
+    """`positions [..., J, 3]` (+ the optional sparse inputs of the module docstring) ->
+    rotations `[..., J, 3, 3]` in `config.output_space`."""
     batch, J = positions.shape[:-2], self.rig.num_joints
-    x, C = self.canonical_input(positions.reshape(-1, J, 3))
-    sixd = self.backbone(x, deterministic=deterministic)  # [B, J, 6], canonical frame
+    B = math.prod(batch)
+    mask, given = self._input_masks(
+        None if joint_mask is None else jnp.reshape(joint_mask, (-1, J)),
+        orientations, None if orientation_mask is None else jnp.reshape(orientation_mask, (-1, J)),
+        B)
+    x, C = self.canonical_input(positions.reshape(-1, J, 3), mask)
+    feats = self.input_features(
+        x, C, mask, None if orientations is None else orientations.reshape(-1, J, 3, 3), given)
+    sixd = self.backbone(feats, deterministic=deterministic)  # [B, J, 6], canonical frame
     if self.config.observed_direction_head:
-      obs, valid = observed_directions(x, self.rig)
+      obs, valid = observed_directions(x, self.rig, mask)
       sixd = sixd.at[..., :3].set(jnp.where(valid[..., None], obs, sixd[..., :3]))
     R = rotations.matrix_from_sixd(sixd)
     if C is not None:  # back from the canonical to the world frame
