@@ -79,15 +79,18 @@ def _ikgat_build(config, rig: Rig, rngs: nnx.Rngs, train_data) -> nnx.Module:
 
 def _ikgat_loss(model, batch, key, config, rig):
   batch = input_pipeline.augment(batch, key, config.augment, rig)
-  pred = model(batch['input_positions'], deterministic=False)
+  pred = model(batch['input_positions'], deterministic=False,
+               **model_lib.extra_inputs(batch, model.config))
   return losses.ikgat_loss(pred, batch, rig, model.config.output_space, config.loss.alpha)
 
 
 def ikgat_infer(model, batch, config=None, rig=None) -> jax.Array:
-  """Deterministic forward to local rotations `[B, J, 3, 3]` (batch: positions, bone_frames)."""
+  """Deterministic forward to local rotations `[B, J, 3, 3]` (batch: positions, bone_frames;
+  optional joint_mask, orientations, orientation_mask where the model takes them)."""
   del config
   rig = rig or model.rig
-  pred = model(batch['positions'], deterministic=True)
+  pred = model(batch['positions'], deterministic=True,
+               **model_lib.extra_inputs(batch, model.config))
   return model_lib.to_local(pred, batch['bone_frames'], rig, model.config.output_space)
 
 
@@ -308,6 +311,16 @@ def make_predict(task: Task, graphdef, config, rig: Rig, mesh: Mesh | None = Non
                  out_shardings=replicated(mesh))
 
 
+def same_model_config(saved: Mapping | None, current: Mapping | None) -> bool:
+  """Model configs equal as JSON, a field missing from a checkpoint made before it existed
+  counting as its off value (False, empty list, None)."""
+  a, b = (json.loads(json.dumps(dict(x or {}))) for x in (saved, current))
+  for k in set(a) ^ set(b):
+    if (a if k in a else b)[k] not in (False, [], None, ''):
+      return False
+  return all(a[k] == b[k] for k in set(a) & set(b))
+
+
 class MetricWriter:
   """JSONL (always) and TensorBoard (when tensorboardX imports) logs in the workdir.
 
@@ -439,7 +452,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   best_value = math.inf
   if latest.latest_step() is not None:
     saved = latest.restore_meta()
-    if saved.get('config', {}).get('model') != config.to_dict().get('model'):
+    if not same_model_config(saved.get('config', {}).get('model'),
+                             config.to_dict().get('model')):
       raise checkpointing.CheckpointError(
           f'{workdir} holds a run with a different model config; use a new --workdir')
     restored, _ = latest.restore(checkpointing.abstract_like(saved_part(state)))
