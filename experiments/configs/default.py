@@ -26,4 +26,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.loss = ml_collections.ConfigDict(dict(alpha=0.1))
   c.augment = ml_collections.ConfigDict(dict(yaw=True, mirror=0.5, bone_scale=0.07,
                                              noise_mm=0.0))
+  # Sparse inputs (G2; 0 = off; input_pipeline.sample_input_masks): per-frame joint dropout
+  # rate U[0, p], probability of a named tracker subset, probability an orientation is given.
+  c.augment.update(joint_dropout=0.0, tracker_subsets=0.0, orientation_prob=0.0)
   return c
