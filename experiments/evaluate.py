@@ -3,11 +3,15 @@
   python -m experiments.evaluate --data=DIR --split=test \
       --method=ikgat|iterative|iterative_noprior|swing|mean_pose [--checkpoint=DIR] [--prior=DIR] \
       [--iters=N] [--warm_start] [--noise_mm=S] [--max_frames=N] [--refine_iters=N] \
-      --output_json=FILE
+      [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B] --output_json=FILE
 
 Prints a markdown table (overall and per test part) and writes one JSON object (fields of DESIGN
-section 9 plus per_subject, per_file, per_part, settings, provenance). Without --checkpoint /
---prior the shipped checkpoints under checkpoints/ are used.
+section 9 plus per_subject, per_file, per_part, settings, provenance, and the jitter of the output
+and the ground truth: jitter_deg_s2, gt_jitter_deg_s2, jitter_ratio, per_joint_jitter). Without
+--checkpoint / --prior the shipped checkpoints under checkpoints/ are used. --filter filters any
+method's output causally per file (temporal.py); ikgat defaults to its checkpoint's `temporal`
+config (none for the shipped one), the other methods to none; the other --filter_* flags override
+single fields.
 """
 
 import json
@@ -42,6 +46,11 @@ _MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate at most this ma
 _BATCH = flags.DEFINE_integer('batch_size', None, 'Frames per solver call.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Noise seed.')
 _OUTPUT = flags.DEFINE_string('output_json', None, 'Result file (written atomically).')
+_FILTER = flags.DEFINE_enum('filter', None, ['none', 'one_euro'], 'Causal temporal filter of the '
+                            'output rotations, per file (default: the checkpoint\'s, else none).')
+_FILTER_MIN_CUTOFF = flags.DEFINE_float('filter_min_cutoff', None, 'One-Euro cutoff at rest (Hz).')
+_FILTER_BETA = flags.DEFINE_float('filter_beta', None, 'One-Euro cutoff slope (Hz per rad/s).')
+_FILTER_D_CUTOFF = flags.DEFINE_float('filter_d_cutoff', None, 'One-Euro velocity cutoff (Hz).')
 
 
 def solver_config():
@@ -62,6 +71,14 @@ def refine_config():
                                    w_anchor=_W_ANCHOR.value)
 
 
+def temporal_filter(method_info: dict):
+  """The method's default filter (an ikgat checkpoint's `temporal` config) under the flags."""
+  from ik_gat_jax import temporal
+  base = temporal.FilterConfig(**method_info.get('temporal', {}))
+  return temporal.with_overrides(base, _FILTER.value, _FILTER_MIN_CUTOFF.value,
+                                 _FILTER_BETA.value, _FILTER_D_CUTOFF.value)
+
+
 @fail_on_user_error
 def main(argv):
   del argv
@@ -76,7 +93,8 @@ def main(argv):
                                   solver=solver_config(), warm_start=_WARM.value,
                                   chunk=_BATCH.value, refine=refine_config())
   result = evaluation.evaluate(method, ds, ds.rig, max_frames=_MAX_FRAMES.value,
-                               noise_mm=_NOISE.value, seed=_SEED.value)
+                               noise_mm=_NOISE.value, seed=_SEED.value,
+                               temporal_filter=temporal_filter(method.info))
   result['command'] = provenance.command_line()
   print(evaluation.markdown_table(result))
   tmp = out.with_name(out.name + '.tmp')

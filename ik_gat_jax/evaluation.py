@@ -28,6 +28,7 @@ from flax import nnx
 from ik_gat_jax import iterative_ik
 from ik_gat_jax import metrics
 from ik_gat_jax import provenance
+from ik_gat_jax import temporal
 from ik_gat_jax import train
 from ik_gat_jax.skeleton import Rig
 
@@ -120,8 +121,14 @@ def run_clips(method: Method, positions: np.ndarray, offsets: np.ndarray,
 
 
 def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
-             noise_mm: float = 0.0, seed: int = 0) -> dict:
-  """Runs `method` on `data` (a `data.Dataset`) and returns the result JSON object."""
+             noise_mm: float = 0.0, seed: int = 0,
+             temporal_filter: temporal.FilterConfig | None = None) -> dict:
+  """Runs `method` on `data` (a `data.Dataset`) and returns the result JSON object.
+
+  `temporal_filter` (issue G3) filters the method's output causally, each file (clip) on its own,
+  before scoring; its time is part of `seconds` (its compile is not). Every result carries the
+  jitter of the output and of the ground truth (`metrics.jitter_summary`).
+  """
   idx = select_frames(data, max_frames)
   batch = {k: np.asarray(v) for k, v in
            train.input_pipeline.gather_batch(data, idx).items()}
@@ -131,12 +138,24 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
     pred, seconds, compile_s = run_clips(method, noisy, batch['offsets'], file_ids)
   else:
     pred, seconds, compile_s = run_chunked(method.solve, noisy, batch['offsets'], method.chunk)
+  frame_index = np.asarray(data.frame_index[idx])
+  temporal_filter = temporal_filter or temporal.FilterConfig()
+  if temporal_filter.active:
+    filt = lambda: temporal.filter_clips(pred, file_ids, temporal_filter, data.fps, frame_index)
+    t = time.perf_counter()
+    filt()  # compile (and a first run), excluded like the method's
+    compile_s += time.perf_counter() - t
+    t = time.perf_counter()
+    pred = filt()
+    seconds += time.perf_counter() - t
   errors = metrics.compute_errors_batched(pred, batch['local_rot'], batch['offsets'],
                                           batch['bone_frames'], batch['positions'], rig)
   result = {'method': method.name, 'split': data.split, **metrics.summarize(errors, rig)}
   result.update(seconds=seconds, compile_seconds=compile_s,
                 frames_per_s=len(idx) / max(seconds, 1e-9), noise_mm=noise_mm,
-                settings=method.info)
+                settings=method.info, temporal_filter=temporal_filter.to_dict())
+  result.update(metrics.jitter_summary(pred, batch['local_rot'], file_ids, data.fps, rig,
+                                       frame_index))
   subject_names = [s['name'] for s in data.subjects]
   file_names = [f['file'] for f in data.files]
   result['per_subject'] = metrics.summarize_by(errors, np.asarray(data.subject_id[idx]),
@@ -177,7 +196,8 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
     return local
 
   info = {'checkpoint': str(path), 'model': meta['config']['model'],
-          'trained_steps': meta.get('step'), 'dtype': dtype}
+          'trained_steps': meta.get('step'), 'dtype': dtype,
+          'temporal': temporal.from_checkpoint_meta(meta).to_dict()}  # the checkpoint's filter
   if refine is not None:
     info['refine'] = dataclasses.asdict(refine)
   name = 'ikgat' if refine is None else f'ikgat+refine{refine.iters}'
@@ -285,4 +305,9 @@ def markdown_table(result: dict) -> str:
   lines.append(f"\n{result['frames']} frames in {result['seconds']:.2f} s: "
                f"{result['frames_per_s']:,.0f} frames/s (compile {result['compile_seconds']:.1f} s "
                'excluded)')
+  if 'jitter_deg_s2' in result:
+    filt = temporal.FilterConfig(**result.get('temporal_filter', {})).describe()
+    lines.append(f"jitter {result['jitter_deg_s2']:,.0f} deg/s^2 vs ground truth "
+                 f"{result['gt_jitter_deg_s2']:,.0f} (ratio {result['jitter_ratio']:.2f}; "
+                 f"filter {filt})")
   return '\n'.join(lines)

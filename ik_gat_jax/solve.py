@@ -2,7 +2,8 @@ r"""Solve joint positions to joint rotations from the command line (DESIGN secti
 
   python -m ik_gat_jax.solve --input=FILE --output=FILE [--checkpoint=DIR] \
       [--offsets_from=BVH] [--units=m] [--input_axes=x,y,z] [--fps=30] [--estimate_lengths] \
-      [--overwrite] [--plot=PNG --plot_frames=0,10,20] [--clip=GIF_OR_DIR] [--smpl_npz=FILE]
+      [--overwrite] [--plot=PNG --plot_frames=0,10,20] [--clip=GIF_OR_DIR] [--smpl_npz=FILE] \
+      [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B]
   ik-gat solve ...                                     (the same, as a console script)
 
 Input by extension: .npz (`positions [T, J, 3]`), .csv (one frame per row, J x 3 columns in
@@ -86,6 +87,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                smpl_npz: str | None = None, smpl_world: str = 'rig', bvh_units: str = 'cm',
                block_size: int | None = None, progress: bool | None = None,
                refine_iters: int = 0,
+               filter_kind: str | None = None, filter_min_cutoff: float | None = None,
+               filter_beta: float | None = None, filter_d_cutoff: float | None = None,
                latency_frames: int = 0, log: Callable[[str], None] = _stderr) -> dict:
   """Reads `input`, solves, writes `output` (+ `smpl_npz`, `plot`, `clip`); returns a summary.
 
@@ -97,7 +100,9 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   signed input column per rig axis (`solver.parse_input_axes`), applied after units. `fps`:
   the rate of an npz/csv input (default its `fps`, else 30); a BVH is resampled to it (default:
   its own rate, DESIGN section 7 resampling). `latency_frames` > 0 adds the single-frame
-  latency (median, p99 ms over that many compiled `step` calls) to the summary.
+  latency (median, p99 ms over that many compiled `step` calls) to the summary. `filter_kind`
+  ('none' | 'one_euro') and `filter_*` override fields of the checkpoint's temporal filter
+  (temporal.py; none for the shipped checkpoint), run causally over the clip at its rate.
   """
   from ik_gat_jax import solver as solver_lib
   from ik_gat_jax.io import exports
@@ -112,6 +117,10 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   solver = solver_lib.IKSolver.from_checkpoint(
       checkpoint, expected_rig=rig, block_size=block_size or solver_lib.DEFAULT_BLOCK,
       refine_iters=refine_iters)
+  from ik_gat_jax import temporal
+  solver.temporal_filter = temporal.with_overrides(solver.temporal_filter, filter_kind,
+                                                   filter_min_cutoff, filter_beta,
+                                                   filter_d_cutoff)
   rig = solver.rig
   if kind == 'smpl' or smpl_npz is not None:
     exports.check_smpl_rig(rig)  # refuse before solving
@@ -119,10 +128,11 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                                   bvh_fps=fps)
   M = solver_lib.parse_input_axes(input_axes, rig)
   offsets = _subject_offsets(source, offsets_from, offsets_units, joint_map, M, rig)
+  rate = float(fps or source.fps or 30.0)
+  solver.fps = rate
   sol = solver.solve(source.positions, offsets=offsets, estimate_lengths=estimate_lengths,
                      units=None if source.metres_rig else units, input_axes=M, full=True,
                      progress=progress)
-  rate = float(fps or source.fps or 30.0)
   with exports.staged([output, smpl_npz, plot, clip], overwrite) as (out, smpl, png, frames):
     _write_main(kind, out, sol, rig, rate, bvh_units, smpl_world, solver)
     if smpl is not None:
@@ -131,6 +141,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   err = 1e3 * sol.fk_error_m()
   summary = {'frames': sol.num_frames, 'rig': rig.name, 'joints': rig.num_joints,
              'checkpoint': solver.source, 'output': str(output), 'fps': rate,
+             'temporal_filter': solver.temporal_filter.describe(),
              'fk_error_mm_mean': float(err.mean()), 'fk_error_mm_max': float(err.max()),
              'seconds': time.perf_counter() - t0}
   if latency_frames > 0:
@@ -210,6 +221,11 @@ def define_flags() -> None:
                        'rotation solver (amortized + refine; 10-20 is 1.5-2x the time).')
   flags.DEFINE_integer('latency_frames', 0, 'Also report single-frame latency (median, p99) '
                        'over this many streamed frames.')
+  flags.DEFINE_enum('filter', None, ['none', 'one_euro'], 'Causal temporal filter of the '
+                    'rotations (default: the checkpoint\'s, else none).')
+  flags.DEFINE_float('filter_min_cutoff', None, 'One-Euro cutoff at rest (Hz).')
+  flags.DEFINE_float('filter_beta', None, 'One-Euro cutoff slope (Hz per rad/s of speed).')
+  flags.DEFINE_float('filter_d_cutoff', None, 'One-Euro velocity-estimate cutoff (Hz).')
   _FLAGS_DEFINED = True
 
 
@@ -235,7 +251,9 @@ def main(argv) -> None:
                  clip_frames=F.clip_frames, smpl_npz=F.smpl_npz, smpl_world=F.smpl_world,
                  bvh_units=F.bvh_units,
                  block_size=F.block_size, latency_frames=F.latency_frames,
-                 refine_iters=F.refine_iters)
+                 refine_iters=F.refine_iters, filter_kind=F['filter'].value,
+                 filter_min_cutoff=F.filter_min_cutoff, filter_beta=F.filter_beta,
+                 filter_d_cutoff=F.filter_d_cutoff)
   except (ValueError, KeyError, OSError, checkpointing.CheckpointError) as e:
     text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip()
     _stderr(f'error: {text.splitlines()[0] if text else type(e).__name__}')

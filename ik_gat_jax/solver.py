@@ -4,6 +4,7 @@
   local = solver.solve(positions)             # [T, J, 3] -> [T, J, 3, 3]; [J, 3] -> [J, 3, 3]
   sol = solver.solve(positions, full=True)    # + global, bone-aligned Q, FK positions
   R = solver.step(frame)                      # one live frame, compiled once
+  solver.reset()                              # forget the temporal filter's stream state
   stats = solver.latency_stats(n=200)         # single-frame median / p99 ms
 
 Frames and units (DESIGN section 2): positions are world joint positions `p_world_joint` in the
@@ -28,6 +29,12 @@ Input checks (`check_positions`, `check_plausibility`): wrong shape or joint cou
 raise `InputError` (a ValueError) naming the expected joints or the frame and joint; bone
 lengths ~100x (or 0.01x) the template's and a head below the pelvis on average warn with the
 likely fix (`--units`, `--input_axes`). `step` runs only the cheap hard checks (shape, finite).
+
+Temporal filter (issue G3, `temporal.py`). `temporal_filter` (a `temporal.FilterConfig`; default
+the checkpoint config's `temporal` section, none for the shipped checkpoint) smooths the local
+rotations causally at `fps`: `solve` filters each clip from a fresh state (FK outputs recomputed
+from the filtered rotations), while `step` and `solve_stream` carry the filter state from call
+to call, one live stream, until `reset()`.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from flax import nnx
 
 from ik_gat_jax import bone_frames as bone_frames_lib
 from ik_gat_jax import kinematics
+from ik_gat_jax import temporal
 from ik_gat_jax.skeleton import Rig, RigError, get_rig, rest_positions_np
 
 DEFAULT_BLOCK = 1024
@@ -369,6 +377,10 @@ def _make_forward(graphdef, rig: Rig, counter: list[int], refine=None):
   return jax.jit(forward, static_argnums=4)
 
 
+_fk_jit = jax.jit(lambda local, off, root, rig: kinematics.forward_kinematics(
+    local, off, rig.parents, root_pos=root), static_argnums=3)
+
+
 class _ProgressBar:
   """A carriage-return bar on stderr: frames done, percent, frames/s."""
 
@@ -396,13 +408,14 @@ class _ProgressBar:
 class IKSolver:
   """A trained IK model ready to solve: positions `[T, J, 3]` -> rotations (module docstring).
 
-  Holds the model's state, the rig, the default subject offsets and one jitted forward; no
-  other state between calls.
+  Holds the model's state, the rig, the default subject offsets and one jitted forward; the
+  only state between calls is the temporal filter's for `step` / `solve_stream` (`reset`).
   """
 
   def __init__(self, model, meta: dict | None = None, *, offsets=None,
                block_size: int = DEFAULT_BLOCK, source: str | None = None,
-               refine_iters: int = 0):
+               refine_iters: int = 0, temporal_filter: temporal.FilterConfig | None = None,
+               fps: float = 30.0):
     self.rig: Rig = model.rig
     self.meta = meta or {}
     self.source = source
@@ -418,13 +431,21 @@ class IKSolver:
       self.refine = iterative_ik.SolverConfig(iters=int(refine_iters), lr=REFINE_LR, w_anchor=0.0)
     self._forward = _make_forward(graphdef, self.rig, self._traces, self.refine)
     self._frames_cache: dict[bytes, tuple] = {}
+    self.temporal_filter = (temporal.from_checkpoint_meta(self.meta) if temporal_filter is None
+                            else temporal_filter)
+    if not (math.isfinite(fps) and fps > 0):
+      raise InputError(f'fps must be a positive frame rate, got {fps}')
+    self.fps = float(fps)
+    self._filter_state: temporal.FilterState | None = None
 
   @classmethod
   def from_checkpoint(cls, path: str | os.PathLike | None = None, *, offsets=None,
                       offsets_from: str | os.PathLike | None = None,
                       expected_rig: Rig | str | None = None, block_size: int = DEFAULT_BLOCK,
                       joint_map: str | None = None, bvh_units: str | float | None = None,
-                      refine_iters: int = 0) -> 'IKSolver':
+                      refine_iters: int = 0,
+                      temporal_filter: temporal.FilterConfig | None = None,
+                      fps: float = 30.0) -> 'IKSolver':
     """Loads a run directory or checkpoint (None: `evaluation.SHIPPED_IKGAT`).
 
     `offsets [J, 3]` (metres) or `offsets_from` (a BVH: its rest offsets reduced to the rig,
@@ -432,6 +453,8 @@ class IKSolver:
     subject; otherwise the checkpoint rig's template. `expected_rig` refuses a checkpoint for
     another rig (CheckpointError). `refine_iters > 0` refines each solution with that many
     iterations of the rotation solver (about 1.5-2x the time for 10-20; BENCHMARKS.md).
+    `temporal_filter` (None: the checkpoint's `temporal` config, else none) at frame rate `fps`
+    (module docstring).
     """
     from ik_gat_jax import checkpointing, train
     if path is None:
@@ -451,7 +474,7 @@ class IKSolver:
       offsets = exports.read_bvh_offsets(offsets_from, model.rig, joint_map=joint_map,
                                          units=bvh_units)
     return cls(model, meta, offsets=offsets, block_size=block_size, source=str(path),
-               refine_iters=refine_iters)
+               refine_iters=refine_iters, temporal_filter=temporal_filter, fps=fps)
 
   # -- offsets ------------------------------------------------------------------------------
 
@@ -523,6 +546,8 @@ class IKSolver:
     off = self.resolve_offsets(pos, offsets, estimate_lengths)
     subject = self._device_subject(off)
     out = self._solve_chunks(pos, subject, full, progress)
+    if self.temporal_filter.active and len(pos) > 1:
+      out = self._filter_clip(out, pos, subject)
     if not full:
       return out['local_rot'][0] if single else out['local_rot']
     return Solution(positions=pos.astype(np.float32), offsets=off,
@@ -543,20 +568,60 @@ class IKSolver:
       bar.update(min(start + self.block_size, T))
     return out
 
+  def _filter_clip(self, out: dict[str, np.ndarray], pos: np.ndarray,
+                   subject) -> dict[str, np.ndarray]:
+    """The temporal filter over a whole clip (fresh state); FK outputs from the filtered R."""
+    T = len(pos)
+    local = temporal.filter_clips(out['local_rot'], np.zeros(T), self.temporal_filter, self.fps)
+    new = {'local_rot': local}
+    if 'global_rot' in out:
+      L = 1 << (T - 1).bit_length()  # padded: few compiled shapes
+      pad = lambda a: jnp.asarray(np.concatenate([a, np.repeat(a[-1:], L - T, 0)]), jnp.float32)
+      off, B, _ = subject
+      G, p = _fk_jit(pad(local), off, pad(pos[:, 0]), self.rig)
+      new.update(global_rot=np.asarray(G)[:T], bone_aligned_rot=np.asarray(G @ B)[:T],
+                 positions_fk=np.asarray(p)[:T])
+    return new
+
+  def _filter_stream(self, local: np.ndarray) -> np.ndarray:
+    """The temporal filter on the next `[n, J, 3, 3]` frames of the live stream (state kept)."""
+    if not self.temporal_filter.active:
+      return local
+    state = self._filter_state or temporal.init_state(self.rig.num_joints)
+    n = local.shape[0]
+    if n == 1:
+      state, out = temporal.filter_step_jit(state, jnp.asarray(local[0]), self.temporal_filter,
+                                            self.fps)
+      out = out[None]
+    else:  # padded to its bucket; padding leaves the state alone
+      b = bucket_for(n, self.buckets)
+      R = np.concatenate([local, np.repeat(local[-1:], b - n, axis=0)])
+      state, out = temporal.filter_sequence_jit(jnp.asarray(R), self.temporal_filter, self.fps,
+                                                state, None, jnp.arange(b) < n)
+    self._filter_state = state
+    return np.asarray(out)[:n]
+
+  def reset(self) -> None:
+    """Starts a new stream: the temporal filter forgets the frames `step`/`solve_stream` saw."""
+    self._filter_state = None
+
   def step(self, frame, offsets=None) -> np.ndarray:
     """One live frame `[J, 3]` (metres, rig axes) -> local rotations `[J, 3, 3]`.
 
-    Only the cheap checks (shape, finite); compiled once (bucket 1).
+    Only the cheap checks (shape, finite); compiled once (bucket 1). With a temporal filter the
+    output is filtered with the stream's state (kept until `reset`).
     """
     pos, _ = check_positions(frame, self.rig)
     if pos.shape[0] != 1:
       raise InputError(f'step takes one frame [{self.rig.num_joints}, 3], got {pos.shape[0]}')
     off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
-    return self._run(pos, self._device_subject(off), False)['local_rot'][0]
+    local = self._run(pos, self._device_subject(off), False)['local_rot']
+    return self._filter_stream(local)[0]
 
   def solve_stream(self, frames: Iterable, offsets=None) -> Iterator[np.ndarray]:
     """Per item of `frames` (`[J, 3]` or a small batch `[b, J, 3]`, b <= block_size): its local
-    rotations, same leading shape. Stateless: each item is solved on its own."""
+    rotations, same leading shape. Each item is solved on its own; a temporal filter carries
+    its state across items and calls (the same stream as `step`'s) until `reset()`."""
     off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
     subject = self._device_subject(off)
     for item in frames:
@@ -564,7 +629,7 @@ class IKSolver:
       if pos.shape[0] > self.block_size:
         raise InputError(f'a stream item holds {pos.shape[0]} frames, more than block_size '
                          f'{self.block_size}; use solve() for clips')
-      local = self._run(pos, subject, False)['local_rot']
+      local = self._filter_stream(self._run(pos, subject, False)['local_rot'])
       yield local[0] if single else local
 
   @property
@@ -573,9 +638,11 @@ class IKSolver:
     return self._traces[0]
 
   def latency_stats(self, n: int = 200, warmup: int = 5, frame=None) -> dict[str, float]:
-    """Single-frame `step` latency (numpy in -> numpy out, compiled, synchronous), ms."""
+    """Single-frame `step` latency (numpy in -> numpy out, compiled, synchronous, temporal
+    filter included), ms."""
     frame = (rest_positions_np(self.offsets, self.rig.parents) if frame is None
              else np.asarray(frame, np.float64))
+    saved = self._filter_state  # the timing stream must not disturb the user's
     for _ in range(warmup):
       self.step(frame)
     times = []
@@ -583,7 +650,9 @@ class IKSolver:
       t = time.perf_counter()
       self.step(frame)
       times.append(time.perf_counter() - t)
+    self._filter_state = saved
     ms = 1e3 * np.asarray(times)
     return {'n': int(n), 'median_ms': float(np.median(ms)),
             'p99_ms': float(np.percentile(ms, 99)), 'mean_ms': float(ms.mean()),
-            'frames_per_s': float(1e3 / np.median(ms)), 'backend': jax.default_backend()}
+            'frames_per_s': float(1e3 / np.median(ms)), 'backend': jax.default_backend(),
+            'temporal_filter': self.temporal_filter.describe()}

@@ -46,6 +46,7 @@ from ik_gat_jax import losses
 from ik_gat_jax import metrics
 from ik_gat_jax import model as model_lib
 from ik_gat_jax import provenance
+from ik_gat_jax import temporal
 from ik_gat_jax.skeleton import Rig
 
 
@@ -104,7 +105,27 @@ def validate_local_rotations(predict, data, config, rig: Rig) -> dict:
   s = metrics.summarize(errors, rig)
   flat = {k: v for k, v in s.items() if isinstance(v, float)}
   flat.update({f'local_rot_err_deg_{c}': v for c, v in s['local_rot_err_deg_by_class'].items()})
+  flat.update(_validate_temporal(pred, batch, data, idx, config, rig))
   return flat
+
+
+def _validate_temporal(pred, batch, data, idx, config, rig: Rig) -> dict:
+  """Jitter of the predictions vs the truth (issue G3), where the validation frames hold whole
+  runs of consecutive frames (val_frames >= the split: CMU's val); with `config.temporal` set,
+  also the filtered error and jitter. {} when no three consecutive frames are evaluated."""
+  file_ids, frame_index = np.asarray(data.file_id[idx]), np.asarray(data.frame_index[idx])
+  jit = metrics.jitter_summary(pred, batch['local_rot'], file_ids, data.fps, rig, frame_index)
+  out = {k: v for k, v in jit.items() if k != 'per_joint_jitter'}
+  section = config.get('temporal')
+  filt = temporal.FilterConfig.from_dict(section.to_dict() if section is not None else None)
+  if jit and filt.active:
+    pred = temporal.filter_clips(pred, file_ids, filt, data.fps, frame_index)
+    errors = metrics.compute_errors_batched(pred, batch['local_rot'], batch['offsets'],
+                                            batch['bone_frames'], batch['positions'], rig)
+    out['filtered_local_rot_err_deg'] = metrics.summarize(errors, rig)['local_rot_err_deg']
+    out['filtered_jitter_deg_s2'] = metrics.jitter_summary(
+        pred, batch['local_rot'], file_ids, data.fps, rig, frame_index)['jitter_deg_s2']
+  return {k: float(v) for k, v in out.items()}
 
 
 IKGAT_TASK = Task(name='ikgat', build=_ikgat_build, loss=_ikgat_loss, infer=ikgat_infer,

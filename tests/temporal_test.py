@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from scipy.spatial.transform import Rotation
 
+import jax
 import jax.numpy as jnp
 
 from ik_gat_jax import metrics
@@ -63,12 +64,12 @@ def test_jitter_never_crosses_files():
 
 
 def test_relative_axis_angle_and_slerp():
-  R0, R1 = Rotation.random(2, random_state=1).as_matrix()
-  v = np.asarray(rotations.relative_axis_angle(jnp.asarray(R0), jnp.asarray(R1)))
+  R0, R1 = Rotation.random(2, random_state=1).as_matrix().astype(np.float32)
+  v = np.asarray(jax.jit(rotations.relative_axis_angle)(R0, R1))
   np.testing.assert_allclose(v, (Rotation.from_matrix(R0).inv() * Rotation.from_matrix(R1))
                              .as_rotvec(), atol=1e-5)
-  np.testing.assert_allclose(rotations.matrix_slerp(R0, R1, 0.0), R0, atol=1e-5)
-  np.testing.assert_allclose(rotations.matrix_slerp(R0, R1, 1.0), R1, atol=1e-5)
+  ends = jax.jit(jax.vmap(rotations.matrix_slerp, (None, None, 0)))(R0, R1, jnp.array([0., 1.]))
+  np.testing.assert_allclose(ends, np.stack([R0, R1]), atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,3 +141,70 @@ def test_filter_config_checks_and_meta():
   assert cfg == temporal.FilterConfig('one_euro', 3.0, 1.0, 1.0)
   assert temporal.with_overrides(cfg, kind='none', beta=2.0) == temporal.FilterConfig(
       'none', 3.0, 2.0, 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The solver: clips filtered whole, streams filtered with kept state, reset; a real noisy clip.
+
+
+def test_solver_clip_and_stream_filter_on_a_noisy_real_clip(cmu_dir):
+  """Shipped IK-GAT, CMU 07_05 (48 frames at 30 fps, 10 mm noise): `solve` filters the clip
+  (FK from the filtered rotations) and lowers its jitter; `step`/`solve_stream` carry the state
+  (together == the whole clip); `reset()` forgets it."""
+  from ik_gat_jax import kinematics
+  from ik_gat_jax.evaluation import SHIPPED_IKGAT
+  from ik_gat_jax.io import exports
+  from ik_gat_jax.solver import IKSolver
+  if not SHIPPED_IKGAT.is_dir():
+    pytest.skip(f'shipped checkpoint {SHIPPED_IKGAT} not present')
+  solver = IKSolver.from_checkpoint(temporal_filter=ONE_EURO, fps=30.0, block_size=16)
+  assert solver.temporal_filter == ONE_EURO
+  src = exports.read_bvh_clip(cmu_dir / '07_05.bvh', solver.rig, fps=30.0, max_frames=200)
+  pos = src.positions[:48] + np.random.default_rng(0).normal(scale=0.01, size=(48, 21, 3))
+  off, ids = src.offsets, np.zeros(48)
+
+  sol = solver.solve(pos, offsets=off, full=True, check=False)
+  solver.temporal_filter = temporal.FilterConfig()
+  raw = solver.solve(pos, offsets=off, check=False)
+  unfiltered_step = solver.step(pos[16], offsets=off)
+  solver.temporal_filter = ONE_EURO
+  np.testing.assert_allclose(sol.local_rot, temporal.filter_clips(raw, ids, ONE_EURO, 30.0),
+                             atol=1e-5)
+  assert metrics.joint_jitter(sol.local_rot, ids, 30.0)[0].mean() < 0.5 * metrics.joint_jitter(
+      raw, ids, 30.0)[0].mean()
+  _, p = kinematics.forward_kinematics(jnp.asarray(sol.local_rot), jnp.asarray(off, jnp.float32),
+                                       solver.rig.parents,
+                                       root_pos=jnp.asarray(pos[:, 0], jnp.float32))
+  np.testing.assert_allclose(sol.positions_fk, p, atol=1e-5)
+
+  solver.reset()
+  stepped = np.stack([solver.step(f, offsets=off) for f in pos[:16]])
+  streamed = list(solver.solve_stream([pos[16:32], pos[32]], offsets=off))
+  got = np.concatenate([stepped, streamed[0], streamed[1][None]])
+  np.testing.assert_allclose(got, sol.local_rot[:33], atol=1e-5)
+  # State kept: frame 16 now is filtered toward the stream's past, not passed through ...
+  assert not np.allclose(solver.step(pos[16], offsets=off), unfiltered_step, atol=1e-4)
+  # ... and reset() forgets it: the first frame of a new stream passes through.
+  solver.reset()
+  np.testing.assert_allclose(solver.step(pos[16], offsets=off), unfiltered_step, atol=1e-6)
+
+
+def test_trainer_validation_logs_jitter_of_whole_clips_only():
+  import types
+  import ml_collections
+  from ik_gat_jax import skeleton, train
+  rig = skeleton.get_rig('cmu_body')
+  T, J = 12, rig.num_joints
+  true = np.repeat(_noisy_clip(T=T, J=1, seed=4), J, axis=1)
+  pred = np.repeat(_noisy_clip(T=T, J=1, seed=5), J, axis=1)
+  data = types.SimpleNamespace(file_id=np.zeros(T, np.int32), frame_index=np.arange(T), fps=30.0)
+  batch = {'local_rot': true, 'offsets': np.repeat(rig.template()[None], T, 0).astype(np.float32),
+           'bone_frames': np.repeat(np.eye(3)[None, None], T, 0).repeat(J, 1).astype(np.float32),
+           'positions': np.zeros((T, J, 3), np.float32)}
+  config = ml_collections.ConfigDict({'temporal': ONE_EURO.to_dict()})
+  out = train._validate_temporal(pred, batch, data, np.arange(T), config, rig)
+  assert out['jitter_samples'] == T - 2 and out['filtered_jitter_deg_s2'] < out['jitter_deg_s2']
+  assert np.isclose(out['jitter_ratio'], out['jitter_deg_s2'] / out['gt_jitter_deg_s2'])
+  spaced = np.arange(0, T, 2)  # an evenly spaced subset: no consecutive frames, no jitter
+  sub = {k: v[spaced] for k, v in batch.items()}
+  assert train._validate_temporal(pred[spaced], sub, data, spaced, config, rig) == {}
