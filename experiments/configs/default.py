@@ -34,6 +34,6 @@ def get_config() -> ml_collections.ConfigDict:
   # flag overrides; validation logs the filtered error and jitter. Off: on clean CMU input IK-GAT
   # already jitters less than the ground truth (val ratio 0.73) and every filter raises the
   # error. The parameters are the val choice for noisy trackers (10 mm; docs/benchmarks/temporal.md).
-  c.temporal = ml_collections.ConfigDict(dict(filter='none', min_cutoff=2.0, beta=0.5,
+  c.temporal = ml_collections.ConfigDict(dict(filter='none', min_cutoff=1.5, beta=0.5,
                                               d_cutoff=1.0))
   return c
