@@ -3,12 +3,18 @@
   python -m experiments.evaluate --data=DIR --split=test \
       --method=ikgat|iterative|iterative_noprior|swing|mean_pose [--checkpoint=DIR] [--prior=DIR] \
       [--iters=N] [--warm_start] [--noise_mm=S] [--max_frames=N] [--refine_iters=N] \
-      [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B] --output_json=FILE
+      [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B] \
+      [--trackers=full|6|10|A,B,C] [--joint_dropout=P] [--orientations=A,B,C] --output_json=FILE
 
 Prints a markdown table (overall and per test part) and writes one JSON object (fields of DESIGN
 section 9 plus per_subject, per_file, per_part, settings, provenance, and the jitter of the output
 and the ground truth: jitter_deg_s2, gt_jitter_deg_s2, jitter_ratio, per_joint_jitter). Without
---checkpoint / --prior the shipped checkpoints under checkpoints/ are used. --filter filters any
+--checkpoint / --prior the shipped checkpoints under checkpoints/ are used. Sparse inputs
+(issue G2; ikgat checkpoints trained for them only, the other methods refuse): --trackers keeps
+only a tracker subset (ik_gat_jax/trackers.py), --joint_dropout drops each remaining joint with
+probability P (seeded by --seed), --orientations gives those joints' true world rotations;
+the result's `sparse` entry records them and `local_rot_err_deg_by_class.leaf` is the error of
+the joints positions cannot show (head, hands, toes). --filter filters any
 method's output causally per file (temporal.py); ikgat defaults to its checkpoint's `temporal`
 config (none for the shipped one), the other methods to none; the other --filter_* flags override
 single fields.
@@ -46,6 +52,12 @@ _MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate at most this ma
 _BATCH = flags.DEFINE_integer('batch_size', None, 'Frames per solver call.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Noise seed.')
 _OUTPUT = flags.DEFINE_string('output_json', None, 'Result file (written atomically).')
+_TRACKERS = flags.DEFINE_string('trackers', 'full', 'Observed joints: full, a named subset '
+                                '(6, 10) or joint names A,B,C (ikgat with joint masks only).')
+_JOINT_DROPOUT = flags.DEFINE_float('joint_dropout', 0.0, 'Drop each observed joint with this '
+                                    'probability (seeded by --seed).')
+_ORIENTATIONS = flags.DEFINE_list('orientations', [], 'Joints whose true world rotation is '
+                                  'given (ikgat with orientation_inputs only).')
 _FILTER = flags.DEFINE_enum('filter', None, ['none', 'one_euro'], 'Causal temporal filter of the '
                             'output rotations, per file (default: the checkpoint\'s, else none).')
 _FILTER_MIN_CUTOFF = flags.DEFINE_float('filter_min_cutoff', None, 'One-Euro cutoff at rest (Hz).')
@@ -94,7 +106,10 @@ def main(argv):
                                   chunk=_BATCH.value, refine=refine_config())
   result = evaluation.evaluate(method, ds, ds.rig, max_frames=_MAX_FRAMES.value,
                                noise_mm=_NOISE.value, seed=_SEED.value,
-                               temporal_filter=temporal_filter(method.info))
+                               temporal_filter=temporal_filter(method.info),
+                               sparse=evaluation.SparseInputs(
+                                   _TRACKERS.value, _JOINT_DROPOUT.value,
+                                   tuple(_ORIENTATIONS.value), _SEED.value))
   result['command'] = provenance.command_line()
   print(evaluation.markdown_table(result))
   tmp = out.with_name(out.name + '.tmp')

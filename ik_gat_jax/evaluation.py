@@ -72,21 +72,23 @@ def add_noise(positions: np.ndarray, noise_mm: float, seed: int) -> np.ndarray:
 
 
 def run_chunked(solve: Solve, positions: np.ndarray, offsets: np.ndarray,
-                chunk: int) -> tuple[np.ndarray, float, float]:
+                chunk: int, extras: tuple[np.ndarray, ...] = ()
+                ) -> tuple[np.ndarray, float, float]:
   """`solve` over fixed-size chunks (last padded). Returns (output, seconds, compile seconds);
-  the first call compiles and is excluded from `seconds`."""
+  the first call compiles and is excluded from `seconds`. `extras` (arrays with the leading
+  axis N, e.g. orientations) are chunked alike and passed after the offsets."""
   n = len(positions)
   chunk = min(chunk, n)
   pad = -n % chunk
-  P = np.concatenate([positions, np.repeat(positions[-1:], pad, 0)])
-  O = np.concatenate([offsets, np.repeat(offsets[-1:], pad, 0)])
+  P, O, *E = [np.concatenate([a, np.repeat(a[-1:], pad, 0)])
+              for a in (positions, offsets) + tuple(extras)]
   t = time.perf_counter()
-  jax.block_until_ready(solve(P[:chunk], O[:chunk]))
+  jax.block_until_ready(solve(P[:chunk], O[:chunk], *[e[:chunk] for e in E]))
   compile_s = time.perf_counter() - t
   outs = []
   t = time.perf_counter()
   for s in range(0, len(P), chunk):
-    outs.append(solve(P[s:s + chunk], O[s:s + chunk]))
+    outs.append(solve(P[s:s + chunk], O[s:s + chunk], *[e[s:s + chunk] for e in E]))
   out = np.concatenate([np.asarray(o) for o in jax.block_until_ready(outs)])[:n]
   return out, time.perf_counter() - t, compile_s
 
@@ -122,8 +124,13 @@ def run_clips(method: Method, positions: np.ndarray, offsets: np.ndarray,
 
 def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
              noise_mm: float = 0.0, seed: int = 0,
-             temporal_filter: temporal.FilterConfig | None = None) -> dict:
+             temporal_filter: temporal.FilterConfig | None = None,
+             sparse: SparseInputs | None = None) -> dict:
   """Runs `method` on `data` (a `data.Dataset`) and returns the result JSON object.
+
+  `sparse` (issue G2): observed joints (tracker subset and/or random dropout: the others reach
+  the method as NaN, which IK-GAT with joint masks reads as missing) and orientation inputs;
+  methods that cannot take them refuse (`check_sparse_support`).
 
   `temporal_filter` (issue G3) filters the method's output causally, each file (clip) on its own,
   before scoring; its time is part of `seconds` (its compile is not). Every result carries the
@@ -134,10 +141,13 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
            train.input_pipeline.gather_batch(data, idx).items()}
   file_ids = np.asarray(data.file_id[idx])
   noisy = add_noise(batch['positions'], noise_mm, seed)
+  sparse = sparse or SparseInputs()
+  noisy, extras, sparse_info = sparse_inputs(sparse, method, noisy, data, idx, rig)
   if method.clip_solve is not None:
     pred, seconds, compile_s = run_clips(method, noisy, batch['offsets'], file_ids)
   else:
-    pred, seconds, compile_s = run_chunked(method.solve, noisy, batch['offsets'], method.chunk)
+    pred, seconds, compile_s = run_chunked(method.solve, noisy, batch['offsets'], method.chunk,
+                                           extras)
   frame_index = np.asarray(data.frame_index[idx])
   temporal_filter = temporal_filter or temporal.FilterConfig()
   if temporal_filter.active:
@@ -156,6 +166,8 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
                 settings=method.info, temporal_filter=temporal_filter.to_dict())
   result.update(metrics.jitter_summary(pred, batch['local_rot'], file_ids, data.fps, rig,
                                        frame_index))
+  if sparse_info:
+    result['sparse'] = sparse_info
   subject_names = [s['name'] for s in data.subjects]
   file_names = [f['file'] for f in data.files]
   result['per_subject'] = metrics.summarize_by(errors, np.asarray(data.subject_id[idx]),
@@ -168,6 +180,59 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
   result['provenance'] = provenance.provenance(
       rig_hash=rig.fingerprint(), **train.data_provenance(data))
   return result
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseInputs:
+  """Sparse-input evaluation (issue G2): `trackers` a `trackers.tracker_mask` spec (full, a
+  named subset such as 6 or 10, or joint names A,B,C); `joint_dropout` each observed joint
+  further dropped with this probability (seeded by `seed`); `orientations` joint names whose
+  world rotation (ground truth) is given."""
+  trackers: str = 'full'
+  joint_dropout: float = 0.0
+  orientations: tuple[str, ...] = ()
+  seed: int = 0
+
+  @property
+  def active(self) -> bool:
+    return self.trackers != 'full' or self.joint_dropout > 0 or bool(self.orientations)
+
+
+def check_sparse_support(method: Method, masked: bool, orientations: bool) -> None:
+  """Refuses sparse inputs a method cannot take (only IK-GAT trained for them can)."""
+  caps = method.info.get('sparse_inputs', {})
+  if masked and not caps.get('joint_mask'):
+    raise ValueError(f'method {method.name!r} needs every joint: missing joints (--trackers, '
+                     '--joint_dropout) need an ikgat checkpoint trained with '
+                     'config.model.joint_mask=True (and no --refine_iters)')
+  if orientations and not caps.get('orientation_inputs'):
+    raise ValueError(f'method {method.name!r} takes no orientation inputs (--orientations need '
+                     'an ikgat checkpoint with config.model.orientation_inputs)')
+
+
+def sparse_inputs(sparse: SparseInputs, method: Method, positions: np.ndarray, data, idx,
+                  rig: Rig) -> tuple[np.ndarray, tuple[np.ndarray, ...], dict]:
+  """(positions with NaN at unobserved joints, extra solve arguments, the result's 'sparse'
+  entry); unchanged, (), {} when `sparse` is inactive."""
+  if not sparse.active:
+    return positions, (), {}
+  from ik_gat_jax import trackers
+  mask = np.broadcast_to(trackers.tracker_mask(rig, sparse.trackers), positions.shape[:2])
+  if sparse.joint_dropout > 0:
+    mask = mask & trackers.random_masks(len(positions), sparse.joint_dropout, rig.num_joints,
+                                        sparse.seed)
+  check_sparse_support(method, not mask.all(), bool(sparse.orientations))
+  positions = np.where(mask[..., None], positions, np.nan).astype(np.float32)
+  extras = ()
+  if sparse.orientations:
+    given = np.zeros(rig.num_joints, bool)
+    given[list(trackers.joint_indices(rig, sparse.orientations))] = True
+    extras = (np.asarray(data.global_rot[idx], np.float32),
+              np.broadcast_to(given, positions.shape[:2]).copy())
+  info = {'trackers': sparse.trackers, 'joint_dropout': sparse.joint_dropout,
+          'orientations': list(sparse.orientations), 'seed': sparse.seed,
+          'observed_joints_mean': float(mask.sum(-1).mean())}
+  return positions, extras, info
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,8 +253,12 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
   B_of = _bone_frames_fn(rig)
 
   @jax.jit
-  def solve(positions, offsets):
+  def solve(positions, offsets, orientations=None, orientation_mask=None):
     batch = {'positions': positions.astype(dtype), 'bone_frames': B_of(offsets)}
+    if model.config.joint_mask:  # NaN joints are missing (sparse evaluation, issue G2)
+      batch['joint_mask'] = jnp.all(jnp.isfinite(positions), axis=-1)
+    if orientations is not None:
+      batch.update(orientations=orientations.astype(dtype), orientation_mask=orientation_mask)
     local = train.ikgat_infer(model, batch).astype(jnp.float32)
     if refine is not None:  # amortized + refine (G1): a few anchored iterations from IK-GAT
       local = iterative_ik.refine_rotations(local, positions, offsets, rig, refine)[0]
@@ -197,7 +266,9 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
 
   info = {'checkpoint': str(path), 'model': meta['config']['model'],
           'trained_steps': meta.get('step'), 'dtype': dtype,
-          'temporal': temporal.from_checkpoint_meta(meta).to_dict()}  # the checkpoint's filter
+          'temporal': temporal.from_checkpoint_meta(meta).to_dict(),  # the checkpoint's filter
+          'sparse_inputs': {'joint_mask': model.config.joint_mask and refine is None,
+                            'orientation_inputs': list(model.config.orientation_inputs)}}
   if refine is not None:
     info['refine'] = dataclasses.asdict(refine)
   name = 'ikgat' if refine is None else f'ikgat+refine{refine.iters}'

@@ -89,7 +89,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                refine_iters: int = 0,
                filter_kind: str | None = None, filter_min_cutoff: float | None = None,
                filter_beta: float | None = None, filter_d_cutoff: float | None = None,
-               latency_frames: int = 0, log: Callable[[str], None] = _stderr) -> dict:
+               latency_frames: int = 0, log: Callable[[str], None] = _stderr,
+               trackers: str = 'full', orientations: str | None = None) -> dict:
   """Reads `input`, solves, writes `output` (+ `smpl_npz`, `plot`, `clip`); returns a summary.
 
   `rig` (a name or rig JSON) refuses a checkpoint for another rig. Offsets (the subject R is
@@ -103,6 +104,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   latency (median, p99 ms over that many compiled `step` calls) to the summary. `filter_kind`
   ('none' | 'one_euro') and `filter_*` override fields of the checkpoint's temporal filter
   (temporal.py; none for the shipped checkpoint), run causally over the clip at its rate.
+  `trackers` (a `trackers.tracker_mask` spec) and NaN input joints mark joints missing, and
+  `orientations` (an .npy) gives world rotations, for checkpoints trained for them (issue G2).
   """
   from ik_gat_jax import solver as solver_lib
   from ik_gat_jax.io import exports
@@ -130,15 +133,17 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   offsets = _subject_offsets(source, offsets_from, offsets_units, joint_map, M, rig)
   rate = float(fps or source.fps or 30.0)
   solver.fps = rate
+  mask, orient = _sparse_inputs(solver, trackers, orientations, len(source.positions))
   sol = solver.solve(source.positions, offsets=offsets, estimate_lengths=estimate_lengths,
                      units=None if source.metres_rig else units, input_axes=M, full=True,
-                     progress=progress)
+                     progress=progress, mask=mask, orientations=orient)
   with exports.staged([output, smpl_npz, plot, clip], overwrite) as (out, smpl, png, frames):
     _write_main(kind, out, sol, rig, rate, bvh_units, smpl_world, solver)
     if smpl is not None:
       exports.write_smpl_npz(smpl, sol, rig, rate, world=smpl_world)
     _write_pictures(png, frames, sol, rig, rate, plot_frames, clip_frames)
   err = 1e3 * sol.fk_error_m()
+  err = err[np.isfinite(err)] if not np.isfinite(err).all() else err  # missing joints (G2)
   summary = {'frames': sol.num_frames, 'rig': rig.name, 'joints': rig.num_joints,
              'checkpoint': solver.source, 'output': str(output), 'fps': rate,
              'temporal_filter': solver.temporal_filter.describe(),
@@ -153,6 +158,21 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
       f'{summary["seconds"]:.1f} s -> {output}; |input - FK| mean '
       f'{summary["fk_error_mm_mean"]:.1f} mm, max {summary["fk_error_mm_max"]:.1f} mm')
   return summary
+
+
+def _sparse_inputs(solver, trackers: str, orientations: str | None, T: int):
+  """(mask [J] or None, orientations [T, J, 3, 3] or None) from --trackers / --orientations
+  (an .npy of world rotations in the rig's axes, NaN = not given); issue G2."""
+  mask = orient = None
+  if trackers and trackers != 'full':
+    from ik_gat_jax import trackers as trackers_lib
+    mask = trackers_lib.tracker_mask(solver.rig, trackers)
+  if orientations:
+    orient = np.load(orientations)
+    if orient.shape[-3:] != (solver.rig.num_joints, 3, 3) or len(orient) != T:
+      raise ValueError(f'--orientations {orientations}: expected [{T}, '
+                       f'{solver.rig.num_joints}, 3, 3], got {list(orient.shape)}')
+  return mask, orient
 
 
 def _write_main(kind, path, sol, rig, fps, bvh_units, smpl_world, solver) -> None:
@@ -226,6 +246,10 @@ def define_flags() -> None:
   flags.DEFINE_float('filter_min_cutoff', None, 'One-Euro cutoff at rest (Hz).')
   flags.DEFINE_float('filter_beta', None, 'One-Euro cutoff slope (Hz per rad/s of speed).')
   flags.DEFINE_float('filter_d_cutoff', None, 'One-Euro velocity-estimate cutoff (Hz).')
+  s('trackers', 'full', 'Observed joints (checkpoints with joint masks): full, a named subset '
+    '(6, 10; ik_gat_jax/trackers.py) or joint names A,B,C; NaN input joints are missing too.')
+  s('orientations', None, '.npy [T, J, 3, 3] world rotations (rig axes; NaN = not given) for a '
+    'checkpoint with orientation inputs.')
   _FLAGS_DEFINED = True
 
 
@@ -253,7 +277,8 @@ def main(argv) -> None:
                  block_size=F.block_size, latency_frames=F.latency_frames,
                  refine_iters=F.refine_iters, filter_kind=F['filter'].value,
                  filter_min_cutoff=F.filter_min_cutoff, filter_beta=F.filter_beta,
-                 filter_d_cutoff=F.filter_d_cutoff)
+                 filter_d_cutoff=F.filter_d_cutoff, trackers=F.trackers,
+                 orientations=F.orientations)
   except (ValueError, KeyError, OSError, checkpointing.CheckpointError) as e:
     text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip()
     _stderr(f'error: {text.splitlines()[0] if text else type(e).__name__}')

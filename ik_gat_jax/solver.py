@@ -30,6 +30,14 @@ raise `InputError` (a ValueError) naming the expected joints or the frame and jo
 lengths ~100x (or 0.01x) the template's and a head below the pelvis on average warn with the
 likely fix (`--units`, `--input_axes`). `step` runs only the cheap hard checks (shape, finite).
 
+Sparse inputs (issue G2). A checkpoint trained with `joint_mask` takes missing joints: `mask
+[T, J]` (1 = observed) and/or NaN joints in the positions (read as missing); one trained with
+`orientation_inputs` takes `orientations [T, J, 3, 3]` (world rotations G_j in the rig's axes;
+`orientation_mask [T, J]`, default all given; only its `orientation_inputs` joints are used).
+A checkpoint without them refuses a mask, NaN joints or orientations with `InputError`.
+With missing joints the plausibility warnings are skipped, `estimate_lengths` and refinement
+refuse, and `positions_fk` is NaN in frames whose root is missing (FK starts at the root).
+
 Temporal filter (issue G3, `temporal.py`). `temporal_filter` (a `temporal.FilterConfig`; default
 the checkpoint config's `temporal` section, none for the shipped checkpoint) smooths the local
 rotations causally at `fps`: `solve` filters each clip from a fresh state (FK outputs recomputed
@@ -145,8 +153,10 @@ def _axes_text(M: np.ndarray) -> str:
 # Input checks.
 
 
-def check_positions(positions, rig: Rig) -> tuple[np.ndarray, bool]:
-  """Shape and finiteness: `[T, J, 3]` or `[J, 3]` -> (`[T, J, 3]` float64, was_single_frame)."""
+def check_positions(positions, rig: Rig, allow_missing: bool = False
+                    ) -> tuple[np.ndarray, bool]:
+  """Shape and finiteness: `[T, J, 3]` or `[J, 3]` -> (`[T, J, 3]` float64, was_single_frame).
+  `allow_missing`: NaN/inf joints pass (a model with joint masks reads them as missing)."""
   try:
     arr = np.asarray(positions, dtype=np.float64)
   except (TypeError, ValueError) as e:
@@ -161,7 +171,8 @@ def check_positions(positions, rig: Rig) -> tuple[np.ndarray, bool]:
   arr = arr[None] if single else arr
   if arr.shape[0] == 0:
     raise InputError('no frames to solve (positions have T = 0)')
-  check_finite(arr, rig)
+  if not allow_missing:
+    check_finite(arr, rig)
   return arr, single
 
 
@@ -363,10 +374,11 @@ def _make_forward(graphdef, rig: Rig, counter: list[int], refine=None):
   from ik_gat_jax import iterative_ik
   from ik_gat_jax import train  # the one inference path (train.ikgat_infer); heavy import
 
-  def forward(state, positions, offsets, B, full):
+  def forward(state, positions, offsets, B, full, sparse=None):
     counter[0] += 1  # runs at trace time only: counts compilations
     model = nnx.merge(graphdef, state)
-    local = train.ikgat_infer(model, {'positions': positions, 'bone_frames': B[None]}, rig=rig)
+    local = train.ikgat_infer(model, {'positions': positions, 'bone_frames': B[None],
+                                      **(sparse or {})}, rig=rig)
     if refine is not None:
       local = iterative_ik.refine_rotations(local, positions, offsets, rig, refine)[0]
     if not full:
@@ -430,6 +442,8 @@ class IKSolver:
       from ik_gat_jax import iterative_ik
       self.refine = iterative_ik.SolverConfig(iters=int(refine_iters), lr=REFINE_LR, w_anchor=0.0)
     self._forward = _make_forward(graphdef, self.rig, self._traces, self.refine)
+    self.supports_masks = bool(model.config.joint_mask)  # sparse inputs (issue G2)
+    self.orientation_inputs = tuple(model.config.orientation_inputs)
     self._frames_cache: dict[bytes, tuple] = {}
     self.temporal_filter = (temporal.from_checkpoint_meta(self.meta) if temporal_filter is None
                             else temporal_filter)
@@ -512,40 +526,81 @@ class IKSolver:
   def prepare(self, positions, *, units: str | float | None = None,
               input_axes: str | np.ndarray | None = None,
               check: bool = True) -> tuple[np.ndarray, bool]:
-    """Checks and converts input positions to `[T, J, 3]` metres in rig axes (module doc)."""
-    arr, single = check_positions(positions, self.rig)
+    """Checks and converts input positions to `[T, J, 3]` metres in rig axes (module doc).
+    NaN joints pass when the model takes joint masks (no plausibility check then)."""
+    arr, single = check_positions(positions, self.rig, allow_missing=self.supports_masks)
     scale = parse_units(units)
     M = parse_input_axes(input_axes, self.rig)
     arr = (arr * scale) @ M.T
-    if check:
+    if check and np.isfinite(arr).all():
       check_plausibility(arr, self.rig, scale)
     return arr, single
 
   # -- solving ------------------------------------------------------------------------------
 
-  def _run(self, pos: np.ndarray, subject, full: bool) -> dict[str, np.ndarray]:
+  def sparse_inputs(self, pos: np.ndarray, mask=None, orientations=None,
+                    orientation_mask=None) -> dict[str, np.ndarray] | None:
+    """Checks the optional sparse inputs of `pos [T, J, 3]` (module docstring) -> the model's
+    extra inputs (`joint_mask`, `orientations`, `orientation_mask`), or None without any."""
+    T, J = pos.shape[:2]
+    finite = np.isfinite(pos).all(-1)
+    out = {}
+    if mask is not None or not finite.all():
+      if not self.supports_masks:
+        if mask is None:
+          check_finite(pos, self.rig)  # the usual error, naming the frame and joint
+        raise InputError('this checkpoint was trained without joint masks (config.model.'
+                         'joint_mask=False): it needs every joint; train one with joint_mask')
+      m = finite if mask is None else finite & np.broadcast_to(
+          np.asarray(mask, bool).reshape((-1, J)), (T, J))
+      out['joint_mask'] = m
+    if orientations is not None:
+      if not self.orientation_inputs:
+        raise InputError('this checkpoint takes no orientation inputs (config.model.'
+                         'orientation_inputs is empty)')
+      o = np.asarray(orientations, np.float32).reshape((-1, J, 3, 3))
+      if o.shape[0] not in (1, T):
+        raise InputError(f'orientations hold {o.shape[0]} frames, positions {T}')
+      given = np.ones((T, J), bool) if orientation_mask is None else np.broadcast_to(
+          np.asarray(orientation_mask, bool).reshape((-1, J)), (T, J))
+      out['orientations'] = np.broadcast_to(o, (T, J, 3, 3))
+      out['orientation_mask'] = given & np.isfinite(out['orientations']).all((-1, -2))
+    if out and self.refine is not None:
+      raise InputError('refinement (refine_iters) needs every joint and takes no orientations')
+    return out or None
+
+  def _run(self, pos: np.ndarray, subject, full: bool,
+           sparse: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """One chunk `[n <= block, J, 3]` through its bucket; outputs trimmed to n, numpy."""
     n = pos.shape[0]
     b = bucket_for(n, self.buckets)
-    if b > n:
-      pos = np.concatenate([pos, np.repeat(pos[-1:], b - n, axis=0)])
+    pad = lambda a: np.concatenate([a, np.repeat(a[-1:], b - n, axis=0)]) if b > n else a
+    pos = pad(pos)
+    if sparse is not None:
+      sparse = {k: jnp.asarray(pad(v)) for k, v in sparse.items()}
     off, B, _ = subject
-    out = self._forward(self._state, jnp.asarray(pos, jnp.float32), off, B, full)
+    out = self._forward(self._state, jnp.asarray(pos, jnp.float32), off, B, full, sparse)
     return {k: np.asarray(v)[:n] for k, v in out.items()}
 
   def solve(self, positions, *, offsets=None, estimate_lengths: bool = False,
             units: str | float | None = None, input_axes: str | np.ndarray | None = None,
-            full: bool = False, check: bool = True, progress: bool | None = None):
+            full: bool = False, check: bool = True, progress: bool | None = None,
+            mask=None, orientations=None, orientation_mask=None):
     """Solves a clip `[T, J, 3]` or one frame `[J, 3]` (rig joint order).
 
     Returns local rotations `[T, J, 3, 3]` (`[J, 3, 3]` for one frame), float32 numpy; with
     `full=True` a `Solution` (always with the frame axis). `progress`: None shows a bar on
     stderr when T > block_size. Raises InputError; warns on likely unit/axis problems.
+    `mask [T, J]` / `[J]` (1 = observed; NaN joints count as missing too), `orientations
+    [T, J, 3, 3]` / `[J, 3, 3]` and `orientation_mask`: sparse inputs (module docstring).
     """
     pos, single = self.prepare(positions, units=units, input_axes=input_axes, check=check)
+    sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask)
+    if sparse is not None and 'joint_mask' in sparse and estimate_lengths:
+      raise InputError('estimate_lengths needs every joint; give the subject\'s offsets')
     off = self.resolve_offsets(pos, offsets, estimate_lengths)
     subject = self._device_subject(off)
-    out = self._solve_chunks(pos, subject, full, progress)
+    out = self._solve_chunks(pos, subject, full, progress, sparse)
     if self.temporal_filter.active and len(pos) > 1:
       out = self._filter_clip(out, pos, subject)
     if not full:
@@ -553,8 +608,8 @@ class IKSolver:
     return Solution(positions=pos.astype(np.float32), offsets=off,
                     bone_frames=subject[2], **out)
 
-  def _solve_chunks(self, pos: np.ndarray, subject, full: bool,
-                    progress: bool | None) -> dict[str, np.ndarray]:
+  def _solve_chunks(self, pos: np.ndarray, subject, full: bool, progress: bool | None,
+                    sparse: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     T, J = pos.shape[:2]
     shapes = {'local_rot': (J, 3, 3)}
     if full:
@@ -562,7 +617,9 @@ class IKSolver:
     out = {k: np.empty((T,) + s, np.float32) for k, s in shapes.items()}
     bar = _ProgressBar(T, T > self.block_size if progress is None else progress)
     for start in range(0, T, self.block_size):
-      chunk = self._run(pos[start:start + self.block_size], subject, full)
+      part = None if sparse is None else {
+          k: v[start:start + self.block_size] for k, v in sparse.items()}
+      chunk = self._run(pos[start:start + self.block_size], subject, full, part)
       for k, v in chunk.items():
         out[k][start:start + len(v)] = v
       bar.update(min(start + self.block_size, T))
@@ -605,17 +662,20 @@ class IKSolver:
     """Starts a new stream: the temporal filter forgets the frames `step`/`solve_stream` saw."""
     self._filter_state = None
 
-  def step(self, frame, offsets=None) -> np.ndarray:
+  def step(self, frame, offsets=None, mask=None, orientations=None,
+           orientation_mask=None) -> np.ndarray:
     """One live frame `[J, 3]` (metres, rig axes) -> local rotations `[J, 3, 3]`.
 
     Only the cheap checks (shape, finite); compiled once (bucket 1). With a temporal filter the
-    output is filtered with the stream's state (kept until `reset`).
+    output is filtered with the stream's state (kept until `reset`). `mask`, `orientations`,
+    `orientation_mask`: sparse inputs of this frame (`[J]`, `[J, 3, 3]`; module docstring).
     """
-    pos, _ = check_positions(frame, self.rig)
+    pos, _ = check_positions(frame, self.rig, allow_missing=self.supports_masks)
     if pos.shape[0] != 1:
       raise InputError(f'step takes one frame [{self.rig.num_joints}, 3], got {pos.shape[0]}')
+    sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask)
     off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
-    local = self._run(pos, self._device_subject(off), False)['local_rot']
+    local = self._run(pos, self._device_subject(off), False, sparse)['local_rot']
     return self._filter_stream(local)[0]
 
   def solve_stream(self, frames: Iterable, offsets=None) -> Iterator[np.ndarray]:
