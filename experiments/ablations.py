@@ -87,11 +87,11 @@ ROWS = (
     Row(BASELINE, 'baseline', (), 1),
     Row(BASELINE, 'baseline', (), 2),
     Row('size', 'tiny', ('--size=tiny',)),
+    Row('size', 'base', ('--size=base',)),
     Row('adjacency', 'parent_to_child (one way)', (_m('adjacency', 'parent_to_child'),), 1),
     Row('adjacency', 'child_to_parent (one way)', (_m('adjacency', 'child_to_parent'),), 1),
     Row('adjacency', 'full (fully connected)', (_m('adjacency', 'full'),), 1),
     Row('aggregation', 'mean (no attention)', (_m('aggregation', 'mean'),), 1),
-    Row('size', 'base', ('--size=base',)),
     Row('size', 'large', ('--size=large',)),
 )
 # What the baseline is called in each table.
