@@ -36,6 +36,16 @@ Choices written down (DESIGN leaves them open):
   joints carry bind rotations (game-engine exports) keeps them, so its local rotations are the
   bind-conjugated ones `C_parent^T R C_joint`, consistent with that rest pose; positions are
   the same either way.
+- End sites (issue G2). Every rig leaf (a joint without rig children: CMU Head, hands, toes)
+  gets the world position of one source `End Site`: its own, else the one in its pruned subtree
+  farthest from it in the rest pose (CMU hands: the LeftHandIndex1 tip, not the thumb's; ties:
+  the first in file order). It is computed per source frame by the full source FK, through the
+  pruned joints, which rotate (CMU fingers have channels), and verified against
+  `bvh.naive_fk_np` like the joints (limit 1e-5 m). For resampling it is held in the leaf's
+  frame, `e_t = G_leaf^T (x_t - p_leaf)`: decimated frames are exact; slerped frames interpolate
+  `e` linearly (exact where the pruned joints are rigid). A leaf without any End Site is NaN.
+  Written as `<split>/end_sites.npy [T, E, 3]` with the leaf list in `end_sites.json`; adding to
+  a directory written before end sites existed keeps its old frames NaN (absent).
 - Subjects are keyed by name and rest offsets: a file whose offsets differ from its subject's
   earlier files by more than 1e-6 m becomes a subject variant 'NAME~1' (its own offsets row).
 - Merging. A run into an existing shard directory appends: files already there with the same
@@ -366,10 +376,13 @@ class ReducedMotion:
     local_rot: `[T, J, 3, 3]` parent-relative rotations (root: world rotation).
     root_pos: `[T, 3]` world root position.
     offsets: `[J, 3]` rest offsets (root: its rest position).
+    end_local: `[T, E, 3]` end site of every rig leaf (`skeleton.leaves_of`) in the leaf's frame,
+      metres (NaN: the leaf has none), or None (module docstring, "End sites").
   """
   local_rot: np.ndarray
   root_pos: np.ndarray
   offsets: np.ndarray
+  end_local: np.ndarray | None = None
 
 
 # The JAX computations below run jitted, in float64, over fixed-size chunks of frames (the last
@@ -507,6 +520,63 @@ def verify_fk(motion: bvh.BVHMotion, plan: Reduction, reduced: ReducedMotion, sc
   return float(np.linalg.norm(p - reference, axis=-1).max()) if len(p) else 0.0
 
 
+def end_site_sources(motion: bvh.BVHMotion, plan: Reduction
+                     ) -> list[tuple[int, np.ndarray] | None]:
+  """Per rig leaf (`skeleton.leaves_of(plan.parents)`): `(source joint, End Site offset in its
+  frame, file units)` of the leaf's end site (module docstring, "End sites"), or None."""
+  children = skeleton.children_of(motion.parents)
+  out = []
+  for k in skeleton.leaves_of(plan.parents):
+    top = plan.source[k]
+    rel = {top: np.zeros(3)}  # rest position relative to the leaf's source joint
+    best, best_d = None, -1.0
+    for j in sorted(_subtree(children, top)):  # parents before children in BVH file order
+      if j != top:
+        rel[j] = rel[motion.parents[j]] + motion.joints[j].offset
+      e = motion.joints[j].end_site
+      if e is not None and np.linalg.norm(rel[j] + e) > best_d + 1e-12:
+        best, best_d = (j, np.asarray(e, np.float64)), float(np.linalg.norm(rel[j] + e))
+    out.append(best)
+  return out
+
+
+def end_site_positions(motion: bvh.BVHMotion, sources: Sequence[tuple[int, np.ndarray] | None],
+                       scale: float, W: np.ndarray, R: np.ndarray | None = None) -> np.ndarray:
+  """`[T, E, 3]` world end sites (metres, rig world; NaN for None) by the full source FK.
+
+  `R`: `source_local_rotations(motion)` if already computed.
+  """
+  R = source_local_rotations(motion) if R is None else R
+  t = _translations(motion)
+  T = motion.num_frames
+  out = np.full((T, len(sources), 3), np.nan)
+  for e, src in enumerate(sources):
+    if src is None:
+      continue
+    chain, j = [], src[0]
+    while j >= 0:
+      chain.append(j)
+      j = motion.parents[j]
+    G, p = np.broadcast_to(np.eye(3), (T, 3, 3)), np.zeros((T, 3))
+    for j in reversed(chain):
+      p = p + np.einsum('tab,tb->ta', G, t[j])
+      G = G @ R[:, j]
+    out[:, e] = scale * (p + G @ src[1]) @ W.T
+  return out
+
+
+def verify_end_sites(motion: bvh.BVHMotion, sources, end_sites: np.ndarray, scale: float,
+                     W: np.ndarray) -> float:
+  """Max distance (m) between `end_sites [T, E, 3]` and the same End Sites by `naive_fk_np`."""
+  pos, rot = bvh.naive_fk_np(motion, 1.0, with_rotations=True)
+  err = 0.0
+  for e, src in enumerate(sources):
+    if src is not None:
+      ref = scale * (pos[:, src[0]] + rot[:, src[0]] @ src[1]) @ W.T
+      err = max(err, float(np.linalg.norm(end_sites[:, e] - ref, axis=-1).max()))
+  return err
+
+
 def source_fps(frame_time: float) -> float:
   """The file's frame rate, snapped to an integer within FPS_SNAP_REL (module docstring)."""
   fps = 1.0 / frame_time
@@ -518,9 +588,11 @@ def resample(reduced: ReducedMotion, fps_in: float, fps_out: float) -> ReducedMo
   T = reduced.local_rot.shape[0]
   ratio = fps_in / fps_out
   step = round(ratio)
+  end = reduced.end_local
   if step >= 1 and abs(ratio - step) <= FPS_SNAP_REL * ratio:
     return dataclasses.replace(reduced, local_rot=reduced.local_rot[::step],
-                               root_pos=reduced.root_pos[::step])
+                               root_pos=reduced.root_pos[::step],
+                               end_local=None if end is None else end[::step])
   n = int(math.floor((T - 1) / ratio + 1e-9)) + 1
   s = np.arange(n) * ratio
   i0 = np.minimum(np.floor(s).astype(int), T - 1)
@@ -528,7 +600,9 @@ def resample(reduced: ReducedMotion, fps_in: float, fps_out: float) -> ReducedMo
   frac = s - i0
   local = chunked(_slerp_matrices, [reduced.local_rot[i0], reduced.local_rot[i1], frac])[0]
   root = (1 - frac)[:, None] * reduced.root_pos[i0] + frac[:, None] * reduced.root_pos[i1]
-  return dataclasses.replace(reduced, local_rot=local, root_pos=root)
+  if end is not None:
+    end = (1 - frac)[:, None, None] * end[i0] + frac[:, None, None] * end[i1]
+  return dataclasses.replace(reduced, local_rot=local, root_pos=root, end_local=end)
 
 
 @dataclasses.dataclass
@@ -546,6 +620,7 @@ class Clip:
     source_frames: frames in the file (before dropping the first); source_fps: its rate.
     fk_max_error_m: the verification error over every converted source frame.
     extra: more fields for the file's row of files.json (JSON values; e.g. AMASS betas).
+    end_sites: `[n, E, 3]` world end sites of the rig leaves (NaN: none), or None (no source).
   """
   file: str
   path: str
@@ -565,6 +640,7 @@ class Clip:
   part: str | None = None
   subject_id: int = -1
   extra: dict = dataclasses.field(default_factory=dict)
+  end_sites: np.ndarray | None = None
 
   @property
   def frames(self) -> int:
@@ -590,16 +666,46 @@ def convert_motion(motion: bvh.BVHMotion, jmap: JointMap, W: np.ndarray, fps: fl
                    rig_names: Sequence[str] | None = None,
                    rig_parents: Sequence[int] | None = None
                    ) -> tuple[Reduction, ReducedMotion, np.ndarray, np.ndarray, float]:
-  """Reduce, verify, resample, FK: `(plan, resampled, G, p, fk_max_error_m)`, float64."""
+  """Reduce, verify, resample, FK: `(plan, resampled, G, p, fk_max_error_m)`, float64.
+
+  `resampled.end_local` holds the rig leaves' end sites when the source has any End Site (the
+  error then covers them too); `end_sites_world(resampled, G, p, parents)` places them.
+  """
   plan = plan_reduction(motion.names, motion.parents, jmap, rig_names, rig_parents)
   reduced = reduce_motion(motion, plan, jmap.units, W)
   error = verify_fk(motion, plan, reduced, jmap.units, W)
   if not error <= FK_TOL_M:
     raise ConversionError(f'FK check failed: reduced rig positions differ from the raw channels '
                           f'by up to {error:.3g} m (limit {FK_TOL_M:g} m)')
+  sources = end_site_sources(motion, plan)
+  if any(s is not None for s in sources):
+    world = end_site_positions(motion, sources, jmap.units, W)
+    es_error = verify_end_sites(motion, sources, world, jmap.units, W)
+    if not es_error <= FK_TOL_M:
+      raise ConversionError(f'FK check failed: end sites differ from the raw channels by up to '
+                            f'{es_error:.3g} m (limit {FK_TOL_M:g} m)')
+    error = max(error, es_error)
+    leaves = list(skeleton.leaves_of(plan.parents))
+    G0, p0 = forward_kinematics_np(reduced, plan.parents)
+    end_local = np.einsum('tjba,tjb->tja', G0[:, leaves], world - p0[:, leaves])
+    reduced = dataclasses.replace(reduced, end_local=end_local)
   out = resample(reduced, source_fps(motion.frame_time), fps)
   G, p = forward_kinematics_np(out, plan.parents)
   return plan, out, G, p, error
+
+
+def end_sites_world(reduced: ReducedMotion, G: np.ndarray, p: np.ndarray,
+                    parents: Sequence[int]) -> np.ndarray | None:
+  """`[T, E, 3]` world end sites `p_leaf + G_leaf e` of a (resampled) motion, or None."""
+  if reduced.end_local is None:
+    return None
+  leaves = list(skeleton.leaves_of(parents))
+  return p[:, leaves] + np.einsum('tjab,tjb->tja', G[:, leaves], reduced.end_local)
+
+
+def end_site_names(rig_names: Sequence[str], parents: Sequence[int]) -> list[str]:
+  """Names of the end sites, one per rig leaf: '<leaf>_end' (end_sites.json)."""
+  return [f'{rig_names[k]}_end' for k in skeleton.leaves_of(parents)]
 
 
 def convert_file(file: str, path: str | os.PathLike, subject: str, jmap: JointMap,
@@ -609,11 +715,19 @@ def convert_file(file: str, path: str | os.PathLike, subject: str, jmap: JointMa
   start = time.perf_counter()
   motion, total = read_motion(path, jmap.drop_first_frame)
   plan, out, G, p, error = convert_motion(motion, jmap, W, fps, rig_names, rig_parents)
+  ends = end_sites_world(out, G, p, plan.parents)
+  extra = {}
+  if ends is not None:
+    srcs = end_site_sources(motion, plan)
+    extra['end_site_sources'] = {
+        plan.names[k]: (None if s is None else
+                        f'{motion.names[s[0]]} End Site')
+        for k, s in zip(skeleton.leaves_of(plan.parents), srcs)}
   return Clip(file=file, path=str(path), subject=subject, sha256=sha256 or file_sha256(path),
               names=plan.names, parents=plan.parents, offsets=out.offsets,
               local_rot=out.local_rot, global_rot=G, positions=p, source_frames=total,
               source_fps=source_fps(motion.frame_time), fk_max_error_m=error,
-              seconds=time.perf_counter() - start)
+              seconds=time.perf_counter() - start, extra=extra, end_sites=ends)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -835,7 +949,9 @@ def load_output(output: Path) -> _Shards:
                  subjects=[dict(s) for s in d.subjects], offsets=list(np.asarray(d.offsets)),
                  bone_frames=list(np.asarray(d.bone_frames)), split_files=split_doc['files'],
                  split_sources=split_doc.get('sources', {}),
-                 arrays={s: {n: getattr(ds, n) for n in _SPLIT_LAYOUT} for s, ds in sets.items()})
+                 arrays={s: {n: getattr(ds, n) for n in _SPLIT_LAYOUT + (
+                     ('end_sites',) if ds.end_sites is not None else ())}
+                         for s, ds in sets.items()})
 
 
 def _assign_subjects(shards: _Shards, clips: Sequence[Clip]) -> list[int]:
@@ -858,7 +974,9 @@ def _assign_subjects(shards: _Shards, clips: Sequence[Clip]) -> list[int]:
 
 
 def _write_split(directory: Path, old: dict | None, clips: Sequence[Clip],
-                 file_ids: Sequence[int]) -> None:
+                 file_ids: Sequence[int], num_end_sites: int = 0) -> None:
+  """Writes one split's arrays (old frames first); `end_sites.npy` too when `num_end_sites`
+  (NaN for frames that have none: old directories without them, sources without End Sites)."""
   directory.mkdir()
   old_T = 0 if old is None else old['positions'].shape[0]
   T = old_T + sum(c.frames for c in clips)
@@ -875,6 +993,19 @@ def _write_split(directory: Path, old: dict | None, clips: Sequence[Clip],
                               'global_rot': clip.global_rot, 'subject_id': clip.subject_id,
                               'file_id': fid, 'frame_index': np.arange(n)}[name]
       start += n
+    out.flush()
+    del out
+  if num_end_sites:
+    out = np.lib.format.open_memmap(directory / 'end_sites.npy', mode='w+', dtype=np.float32,
+                                    shape=(T, num_end_sites, 3))
+    out[:] = np.nan
+    if old is not None and 'end_sites' in old:
+      out[:old_T] = old['end_sites']
+    start = old_T
+    for clip in clips:
+      if clip.end_sites is not None:
+        out[start:start + clip.frames] = clip.end_sites
+      start += clip.frames
     out.flush()
     del out
 
@@ -939,10 +1070,17 @@ def write_output(output: Path, shards: _Shards, rig: skeleton.Rig, clips: Sequen
     (tmp / 'subjects.json').write_text(json.dumps(shards.subjects, indent=1))
     np.save(tmp / 'offsets.npy', np.stack(shards.offsets).astype(np.float32))
     np.save(tmp / 'bone_frames.npy', np.stack(shards.bone_frames).astype(np.float32))
+    has_ends = (any(c.end_sites is not None for c in clips)
+                or any('end_sites' in a for a in shards.arrays.values()))
+    num_ends = len(rig.leaves) if has_ends else 0
+    if has_ends:
+      (tmp / 'end_sites.json').write_text(json.dumps(
+          {'joints': [rig.joint_names[k] for k in rig.leaves],
+           'names': end_site_names(rig.joint_names, rig.parents)}, indent=1))
     for split in sorted(set(shards.arrays) | {c.split for c in clips}):
       mine = [(c, first_id + i) for i, c in enumerate(clips) if c.split == split]
       _write_split(tmp / split, shards.arrays.get(split), [c for c, _ in mine],
-                   [f for _, f in mine])
+                   [f for _, f in mine], num_ends)
     hashes = {'rig_sha256': hashlib.sha256(rig_text.encode()).hexdigest(),
               'split_sha256': hashlib.sha256(split_text.encode()).hexdigest(),
               'split_sources': shards.split_sources}

@@ -15,6 +15,13 @@ Shard directory layout (DESIGN section 9), format `FORMAT`:
   <split>/subject_id.npy  [T] int32
   <split>/file_id.npy     [T] int32
   <split>/frame_index.npy [T] int32 frame number within its file, at summary['fps']
+  end_sites.json          optional (issue G2): {"joints": [leaf names], "names": [...]}, the
+                          rig's leaves (`Rig.leaves`) in joint order
+  <split>/end_sites.npy   optional [T, E, 3] float32 world end-site positions of those leaves
+                          (head top, hand tips, toe tips; NaN where the source has none)
+
+Directories written before end sites existed load with `Dataset.end_sites = None`; features that
+need them call `require_end_sites`, which says how to convert again.
 
 The frames of one file are contiguous and in time order. Every array is its own uncompressed
 `.npy` file (an `.npz` cannot be memory-mapped), so `np.load(mmap_mode='r')` maps it and a host
@@ -55,6 +62,8 @@ class Dataset:
     files: files table of the whole directory (dicts: file, subject, sha256, split, part, ...).
     subjects: subjects table of the whole directory (dicts: name, files, frames).
     summary: the directory's summary.json.
+    end_sites: `[T, E, 3]` world end sites of `rig.leaves` (NaN: absent), or None when the
+      directory has none.
   """
   path: Path
   split: str
@@ -70,6 +79,7 @@ class Dataset:
   files: tuple[dict, ...]
   subjects: tuple[dict, ...]
   summary: dict
+  end_sites: np.ndarray | None = None
 
   @property
   def num_frames(self) -> int:
@@ -106,12 +116,26 @@ def load_shards(directory: str | Path, split: str) -> Dataset:
   arrays = {name: np.load(path / split / f'{name}.npy', mmap_mode='r') for name in SPLIT_ARRAYS}
   arrays.update({name: np.load(path / f'{name}.npy', mmap_mode='r') for name in SUBJECT_ARRAYS})
   rig = Rig.from_json(json.loads((path / 'rig.json').read_text()))
+  if (path / split / 'end_sites.npy').is_file():
+    arrays['end_sites'] = np.load(path / split / 'end_sites.npy', mmap_mode='r')
+    names = json.loads((path / 'end_sites.json').read_text())['joints']
+    if tuple(names) != tuple(rig.joint_names[k] for k in rig.leaves):
+      raise ValueError(f'{path}: end_sites.json joints {names} are not the rig\'s leaves')
   data = Dataset(path=path, split=split, rig=rig,
                  files=tuple(json.loads((path / 'files.json').read_text())),
                  subjects=tuple(json.loads((path / 'subjects.json').read_text())),
                  summary=summary, **arrays)
   _check_shapes(data)
   return data
+
+
+def require_end_sites(d: Dataset) -> np.ndarray:
+  """`d.end_sites`, or a ValueError saying how to get a directory that has them."""
+  if d.end_sites is None:
+    raise ValueError(f'{d.path} has no end sites (written before they existed, or from a source '
+                     'without End Sites); convert again into a new directory: python -m '
+                     'data_prep.bvh_to_shards --input=... --rig=... --output=NEW_DIR')
+  return d.end_sites
 
 
 def _read_summary(path: Path) -> dict:
@@ -131,6 +155,8 @@ def _check_shapes(d: Dataset) -> None:
   expected = {'positions': (T, J, 3), 'local_rot': (T, J, 3, 3), 'global_rot': (T, J, 3, 3),
               'subject_id': (T,), 'file_id': (T,), 'frame_index': (T,),
               'offsets': (S, J, 3), 'bone_frames': (S, J, 3, 3)}
+  if d.end_sites is not None:
+    expected['end_sites'] = (T, len(d.rig.leaves), 3)
   for name, shape in expected.items():
     if getattr(d, name).shape != shape:
       raise ValueError(f'{d.path}: {name} has shape {getattr(d, name).shape}, expected {shape}')

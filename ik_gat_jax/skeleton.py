@@ -54,6 +54,12 @@ def children_of(parents: Sequence[int]) -> tuple[tuple[int, ...], ...]:
   return tuple(tuple(c for c, p in enumerate(parents) if p == j) for j in range(len(parents)))
 
 
+def leaves_of(parents: Sequence[int]) -> tuple[int, ...]:
+  """Joints without children, in joint order (the joints that may carry an end site)."""
+  kids = children_of(parents)
+  return tuple(j for j in range(len(parents)) if not kids[j])
+
+
 def num_descendants(parents: Sequence[int]) -> tuple[int, ...]:
   counts = [0] * len(parents)
   for j in reversed(range(len(parents))):
@@ -127,6 +133,11 @@ class Rig:
   @property
   def children(self) -> tuple[tuple[int, ...], ...]:
     return children_of(self.parents)
+
+  @property
+  def leaves(self) -> tuple[int, ...]:
+    """Joints without children, in joint order: the end-site joints (data.py, model.py)."""
+    return leaves_of(self.parents)
 
   @property
   def lateral(self) -> Vec3:

@@ -538,13 +538,13 @@ def euler_to_matrix_np(angles_deg: np.ndarray, order: str) -> np.ndarray:
   return result
 
 
-def naive_fk_np(motion: BVHMotion, scale: float = 1.0) -> np.ndarray:
+def naive_fk_np(motion: BVHMotion, scale: float = 1.0, with_rotations: bool = False):
   """Joint positions [T, J, 3] float64 by an obvious per-joint loop over the raw channels.
 
     The independent reference that converters verify against: for each joint in file order,
     translation t = OFFSET with position channels substituted per axis; local R = product of the
     rotation channels in channel order; ``G = G_parent @ R``, ``p = p_parent + G_parent @ t``;
-    all positions times ``scale``.
+    all positions times ``scale``. With ``with_rotations``: ``(positions, G [T, J, 3, 3])``.
     """
   T = motion.motion.shape[0]
   positions = np.zeros((T, len(motion.joints), 3))
@@ -568,4 +568,4 @@ def naive_fk_np(motion: BVHMotion, scale: float = 1.0) -> np.ndarray:
       positions[:,
                 j] = positions[:, joint.parent] + np.einsum("tab,tb->ta", parent_rot, translation)
       rotations[:, j] = parent_rot @ local
-  return positions * scale
+  return (positions * scale, rotations) if with_rotations else positions * scale
