@@ -16,7 +16,8 @@ host count either.
 
 A batch is a dict of arrays, leading axis B:
   positions [B, J, 3] world positions (m), local_rot [B, J, 3, 3], offsets [B, J, 3] (the
-  frame's subject), bone_frames [B, J, 3, 3] (the subject's rest bone frames).
+  frame's subject), bone_frames [B, J, 3, 3] (the subject's rest bone frames); with
+  `end_sites=True` also end_sites [B, E, 3] (world end sites of `rig.leaves`, NaN = absent).
 """
 
 from __future__ import annotations
@@ -62,23 +63,29 @@ def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
   return perm
 
 
-def gather_batch(dataset: Any, idx: np.ndarray) -> dict[str, np.ndarray]:
+def gather_batch(dataset: Any, idx: np.ndarray, end_sites: bool = False
+                 ) -> dict[str, np.ndarray]:
   """Host batch from a dataset with memory-mapped frame arrays and per-subject arrays.
 
   Indices are sorted for the memory-mapped read and the original order restored after, so a
-  random batch touches each page once.
+  random batch touches each page once. `end_sites`: add the dataset's end sites (issue G2;
+  a ValueError if it has none).
   """
   order = np.argsort(idx, kind='stable')
   inverse = np.empty_like(order)
   inverse[order] = np.arange(len(order))
   sidx = idx[order]
   subj = np.asarray(dataset.subject_id[sidx])[inverse]
-  return {
+  out = {
       'positions': np.asarray(dataset.positions[sidx], np.float32)[inverse],
       'local_rot': np.asarray(dataset.local_rot[sidx], np.float32)[inverse],
       'offsets': np.asarray(dataset.offsets, np.float32)[subj],
       'bone_frames': np.asarray(dataset.bone_frames, np.float32)[subj],
   }
+  if end_sites:
+    from ik_gat_jax import data as data_lib
+    out['end_sites'] = np.asarray(data_lib.require_end_sites(dataset)[sidx], np.float32)[inverse]
+  return out
 
 
 def process_rows(global_batch_size: int, process_index: int, process_count: int) -> slice:
@@ -91,7 +98,8 @@ def process_rows(global_batch_size: int, process_index: int, process_count: int)
 
 
 def host_batches(dataset: Any, global_batch_size: int, seed: int, start_step: int,
-                 end_step: int, process_index: int = 0, process_count: int = 1
+                 end_step: int, process_index: int = 0, process_count: int = 1,
+                 end_sites: bool = False
                  ) -> Iterator[tuple[int, np.ndarray, dict[str, np.ndarray]]]:
   """This process's part of the batches of steps `[start_step, end_step)`, in step order.
 
@@ -101,7 +109,7 @@ def host_batches(dataset: Any, global_batch_size: int, seed: int, start_step: in
   rows = process_rows(global_batch_size, process_index, process_count)
   for step in range(start_step, end_step):
     idx = batch_indices(step, global_batch_size, len(dataset.positions), seed)[rows]
-    yield step, idx, gather_batch(dataset, idx)
+    yield step, idx, gather_batch(dataset, idx, end_sites)
 
 
 _END = object()
@@ -220,17 +228,37 @@ def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
   Sparse inputs (G2, `sample_input_masks`): joint_dropout, tracker_subsets, orientation_prob
   add `joint_mask` / `orientations` + `orientation_mask`; their keys come from `fold_in`, so the
   other augmentations draw exactly what they drew before these existed.
+  End sites (G2): when the batch holds `end_sites [B, E, 3]`, each is carried in its leaf's
+  frame (`e = G_leaf^T (x - p_leaf)`) through mirroring (`e' = M e_m`, left/right swapped),
+  bone scaling (times the leaf's own bone factor) and yaw, placed again by FK
+  (`x = p_leaf + G_leaf e`) and given the same input noise; `end_site_prob` (absent = 0) sets
+  `end_site_mask [B, E]`: each present end site given with that probability.
   """
   k_yaw, k_mir, k_scale, k_noise = jax.random.split(key, 4)
   B_ = batch['positions'].shape[0]
   changed = False
+  leaves = list(rig.leaves)
+  end_local = None
+  if 'end_sites' in batch:
+    G0 = kinematics.local_to_global(batch['local_rot'], rig.parents)[:, leaves]
+    rel = batch['end_sites'] - batch['positions'][:, leaves]
+    end_local = jnp.einsum('njba,njb->nja', G0, rel)
+  elif float(aug.get('end_site_prob', 0.0)) > 0:
+    raise ValueError('augment.end_site_prob > 0 needs end sites in the batch: shards converted '
+                     'with them (data.require_end_sites) and gather_batch(end_sites=True)')
   if aug.mirror > 0:
-    batch = mirror_batch(batch, jax.random.uniform(k_mir, (B_,)) < aug.mirror, rig)
+    flip = jax.random.uniform(k_mir, (B_,)) < aug.mirror
+    batch = mirror_batch(batch, flip, rig)
+    if end_local is not None:
+      end_local = jnp.where(flip[:, None, None],
+                            end_local[:, end_site_mirror(rig)] @ _mirror_matrix(rig).T, end_local)
   if aug.bone_scale > 0:
     u = jax.random.uniform(k_scale, (B_, rig.num_joints), minval=1 - aug.bone_scale,
                            maxval=1 + aug.bone_scale)
     u = u[:, np.minimum(np.arange(rig.num_joints), np.asarray(rig.mirror))]
     batch = {**batch, 'offsets': batch['offsets'] * u[..., None]}
+    if end_local is not None:
+      end_local = end_local * u[:, leaves, None]
     changed = True
   root_pos = batch['positions'][:, 0]
   if aug.yaw:
@@ -247,7 +275,23 @@ def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
   if aug.noise_mm > 0:
     noisy = noisy + 1e-3 * aug.noise_mm * jax.random.normal(k_noise, noisy.shape)
   batch = {**batch, 'input_positions': noisy}
+  if end_local is not None:
+    k_es_noise, k_es = jax.random.split(jax.random.fold_in(key, 0x65))
+    G = kinematics.local_to_global(batch['local_rot'], rig.parents)[:, leaves]
+    ends = batch['positions'][:, leaves] + jnp.einsum('njab,njb->nja', G, end_local)
+    present = jnp.all(jnp.isfinite(ends), axis=-1)
+    if aug.noise_mm > 0:
+      ends = ends + 1e-3 * aug.noise_mm * jax.random.normal(k_es_noise, ends.shape)
+    prob = float(aug.get('end_site_prob', 0.0))
+    batch = {**batch, 'end_sites': ends,
+             'end_site_mask': present & (jax.random.uniform(k_es, present.shape) < prob)}
   return {**batch, **sample_input_masks(jax.random.fold_in(key, 0x62), batch, aug, rig)}
+
+
+def end_site_mirror(rig: Rig) -> np.ndarray:
+  """`[E]`: for each end site (of `rig.leaves`), the index of its mirror partner's."""
+  leaves = list(rig.leaves)
+  return np.asarray([leaves.index(rig.mirror[k]) for k in leaves])
 
 
 def sample_input_masks(key: jax.Array, batch: dict, aug: Any, rig: Rig) -> dict:

@@ -55,6 +55,13 @@ before). Optional keyword inputs of `IKModel.__call__`:
     absent = all given), needs `config.orientation_inputs` (joint names): the 6D of G_j (in the
     canonical frame when heading canonicalisation is on) and a given-flag are 7 more input
     channels, zero for joints not named in the config or not given (`jnp.where`, as above).
+  end_sites [..., E, 3] world end-site points of the rig's leaves (`rig.leaves`: head top, hand
+    and toe tips) and end_site_mask [..., E] (1 = given; absent = all given), needs
+    `config.end_sites`: each leaf joint gets 4 more input channels, its end site relative to the
+    same centre as the positions (scaled and canonicalised like them) and a given-flag; zero for
+    other joints and for end sites not given (`jnp.where` first, as above). End sites never
+    enter the centre, the scale or the heading, so a model given none sees what it would see
+    without them.
   `extra_inputs(batch, config)` picks these keys from a batch dict for the model.
 
 Every head's last layer starts near the identity 6D (bias (1,0,0,0,1,0), weights ~1e-3).
@@ -101,7 +108,8 @@ class ModelConfig:
   `adjacency`, `aggregation`, `scoring` and `pooled_global_feature` apply to 'ikgat' only.
   `joint_mask` adds a per-joint observed flag to the input (sparse trackers, dropped joints) and
   `orientation_inputs` names the joints whose world rotation may be given (XR trackers); see
-  "Sparse inputs" in the module docstring. Both default off: such models are unchanged.
+  "Sparse inputs" in the module docstring. `end_sites` adds end-site points of the leaves.
+  All default off: such models are unchanged.
   """
   arch: str = 'ikgat'
   size: str = 'small'
@@ -120,6 +128,7 @@ class ModelConfig:
   pooled_global_feature: bool = False
   joint_mask: bool = False
   orientation_inputs: tuple[str, ...] = ()
+  end_sites: bool = False
 
   def __post_init__(self):
     # JSON and flags give lists or a comma-separated string; keep a (hashable) tuple.
@@ -151,8 +160,10 @@ class ModelConfig:
 
   @property
   def input_features(self) -> int:
-    """Per-joint input width: position (3), observed flag (1), 6D orientation and its flag (7)."""
-    return 3 + int(self.joint_mask) + 7 * bool(self.orientation_inputs)
+    """Per-joint input width: position (3), observed flag (1), 6D orientation and its flag (7),
+    end site and its flag (4)."""
+    return (3 + int(self.joint_mask) + 7 * bool(self.orientation_inputs)
+            + 4 * int(self.end_sites))
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -343,7 +354,8 @@ def observed_centre(positions: jax.Array, mask: jax.Array) -> jax.Array:
 def extra_inputs(batch: Mapping[str, Any], config: ModelConfig) -> dict[str, Any]:
   """The optional model inputs (module docstring) that `batch` holds and `config` takes."""
   keys = (('joint_mask',) if config.joint_mask else ()) + (
-      ('orientations', 'orientation_mask') if config.orientation_inputs else ())
+      ('orientations', 'orientation_mask') if config.orientation_inputs else ()) + (
+      ('end_sites', 'end_site_mask') if config.end_sites else ())
   return {k: batch[k] for k in keys if k in batch}
 
 
@@ -380,11 +392,26 @@ class IKModel(nnx.Module):
     `mask: [B, J]` bool (1 = observed) or None (all observed, the original path): the input is
     zero at masked joints and a function of the observed positions only (module docstring).
     """
+    x, C, _ = self.canonical_points(positions, mask)
+    return x, C
+
+  def canonical_points(self, positions: jax.Array, mask: jax.Array | None = None,
+                       points: jax.Array | None = None, points_given: jax.Array | None = None
+                       ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """`canonical_input` plus extra points `[B, E, 3]` (end sites) given where `points_given
+    [B, E]` is True, put through the same centre, scale and heading (zero where not given);
+    the third output is None without points. The points never affect the first two outputs."""
     if mask is None:
-      x = positions - positions[:, :1]
+      centre = positions[:, :1]
+      x = positions - centre
     else:
       positions = jnp.where(mask[..., None], positions, 0.0)  # first: NaN/inf never get through
-      x = jnp.where(mask[..., None], positions - observed_centre(positions, mask)[:, None], 0.0)
+      centre = observed_centre(positions, mask)[:, None]
+      x = jnp.where(mask[..., None], positions - centre, 0.0)
+    pts = None
+    if points is not None:
+      pts = jnp.where(points_given[..., None], points.astype(x.dtype), 0.0)
+      pts = jnp.where(points_given[..., None], pts - centre, 0.0)
     if self.config.scale_normalization:
       bones = np.asarray(_scale_bones(self.rig))
       parents = np.asarray(self.rig.parents)[bones]
@@ -395,13 +422,17 @@ class IKModel(nnx.Module):
         both = mask[:, bones] & mask[:, parents]
         s = jnp.sum(jnp.where(both, lengths, 0.0), -1) / jnp.maximum(jnp.sum(both, -1), 1)
       x = x / jnp.where(s > 1e-6, s, 1.0)[:, None, None]
+      if pts is not None:
+        pts = pts / jnp.where(s > 1e-6, s, 1.0)[:, None, None]
     if not self.config.heading_canonicalization:
-      return x, None
+      return x, None, pts
     C = heading_rotation(x, self.rig, self.hips)
     if mask is not None:  # a hip not observed: no canonicalisation for that example
       hips_seen = mask[:, self.hips[0]] & mask[:, self.hips[1]]
       C = jnp.where(hips_seen[:, None, None], C, jnp.eye(3, dtype=C.dtype))
-    return jnp.einsum('bij,bkj->bki', C, x), C
+    if pts is not None:
+      pts = jnp.einsum('bij,bkj->bki', C, pts)
+    return jnp.einsum('bij,bkj->bki', C, x), C, pts
 
   def _input_masks(self, joint_mask, orientations, orientation_mask, B: int):
     """Checks the optional inputs against the config; returns (joint mask [B, J] bool or None,
@@ -426,8 +457,10 @@ class IKModel(nnx.Module):
     return mask, given
 
   def input_features(self, x: jax.Array, C: jax.Array | None, mask, orientations,
-                     given) -> jax.Array:
-    """Canonical positions `[B, J, 3]` (+ observed flag, + 6D orientation and given-flag) ->
+                     given, end_points: jax.Array | None = None,
+                     end_given: jax.Array | None = None) -> jax.Array:
+    """Canonical positions `[B, J, 3]` (+ observed flag, + 6D orientation and given-flag, + end
+    site `[B, E, 3]` canonical, zero where not given, and given-flag `[B, E]` on the leaves) ->
     the per-joint network input `[B, J, config.input_features]`."""
     feats = [x]
     if mask is not None:
@@ -441,11 +474,18 @@ class IKModel(nnx.Module):
           G = C[:, None] @ G
         sixd = jnp.where(given[..., None], rotations.sixd_from_matrix(G), 0.0)
       feats += [sixd, given[..., None].astype(x.dtype)]
+    if end_given is not None:
+      leaves = np.asarray(self.rig.leaves)
+      pts = jnp.zeros(x.shape, x.dtype).at[:, leaves].set(end_points)
+      flag = jnp.zeros(x.shape[:-1] + (1,), x.dtype).at[:, leaves, 0].set(
+          end_given.astype(x.dtype))
+      feats += [pts, flag]
     return feats[0] if len(feats) == 1 else jnp.concatenate(feats, axis=-1)
 
   def __call__(self, positions: jax.Array, *, deterministic: bool,
                joint_mask: jax.Array | None = None, orientations: jax.Array | None = None,
-               orientation_mask: jax.Array | None = None) -> jax.Array:
+               orientation_mask: jax.Array | None = None, end_sites: jax.Array | None = None,
+               end_site_mask: jax.Array | None = None) -> jax.Array:
     """`positions [..., J, 3]` (+ the optional sparse inputs of the module docstring) ->
     rotations `[..., J, 3, 3]` in `config.output_space`."""
     batch, J = positions.shape[:-2], self.rig.num_joints
@@ -454,9 +494,22 @@ class IKModel(nnx.Module):
         None if joint_mask is None else jnp.reshape(joint_mask, (-1, J)),
         orientations, None if orientation_mask is None else jnp.reshape(orientation_mask, (-1, J)),
         B)
-    x, C = self.canonical_input(positions.reshape(-1, J, 3), mask)
+    E = len(self.rig.leaves)
+    if end_sites is not None and not self.config.end_sites:
+      raise ValueError('this model takes no end sites (ModelConfig.end_sites=False)')
+    end_given = None
+    if self.config.end_sites:
+      end_given = jnp.zeros((B, E), bool) if end_sites is None else (
+          jnp.ones((B, E), bool) if end_site_mask is None else
+          jnp.broadcast_to(jnp.reshape(jnp.asarray(end_site_mask), (-1, E)) > 0.5, (B, E)))
+    x, C, end_points = self.canonical_points(
+        positions.reshape(-1, J, 3), mask,
+        None if end_given is None else (jnp.zeros((B, E, 3), positions.dtype)
+                                        if end_sites is None else end_sites.reshape(-1, E, 3)),
+        end_given)
     feats = self.input_features(
-        x, C, mask, None if orientations is None else orientations.reshape(-1, J, 3, 3), given)
+        x, C, mask, None if orientations is None else orientations.reshape(-1, J, 3, 3), given,
+        end_points, end_given)
     sixd = self.backbone(feats, deterministic=deterministic)  # [B, J, 6], canonical frame
     if self.config.observed_direction_head:
       obs, valid = observed_directions(x, self.rig, mask)

@@ -87,12 +87,18 @@ def _ikgat_loss(model, batch, key, config, rig):
 
 def ikgat_infer(model, batch, config=None, rig=None) -> jax.Array:
   """Deterministic forward to local rotations `[B, J, 3, 3]` (batch: positions, bone_frames;
-  optional joint_mask, orientations, orientation_mask where the model takes them)."""
+  optional joint_mask, orientations, orientation_mask, end_sites, end_site_mask where the model
+  takes them)."""
   del config
   rig = rig or model.rig
   pred = model(batch['positions'], deterministic=True,
                **model_lib.extra_inputs(batch, model.config))
   return model_lib.to_local(pred, batch['bone_frames'], rig, model.config.output_space)
+
+
+def _wants_end_sites(config) -> bool:
+  """Training batches carry end sites (issue G2) when augmentation may give them to the model."""
+  return float(config.get('augment', {}).get('end_site_prob', 0.0)) > 0
 
 
 def validate_local_rotations(predict, data, config, rig: Rig) -> dict:
@@ -522,7 +528,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   pipeline = input_pipeline.Prefetcher(
       ((s, to_global(b, mesh, tc.batch_size)) for s, _, b in input_pipeline.host_batches(
           train_data, tc.batch_size, config.seed, step, tc.steps, jax.process_index(),
-          jax.process_count())), depth=tc.get('prefetch', 2))
+          jax.process_count(), end_sites=_wants_end_sites(config))), depth=tc.get('prefetch', 2))
   progress = _Progress(step, pipeline)
   stopper = GracefulStop(log)
   try:

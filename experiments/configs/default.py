@@ -29,6 +29,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Sparse inputs (G2; 0 = off; input_pipeline.sample_input_masks): per-frame joint dropout
   # rate U[0, p], probability of a named tracker subset, probability an orientation is given.
   c.augment.update(joint_dropout=0.0, tracker_subsets=0.0, orientation_prob=0.0)
+  # End sites (G2; needs shards with end sites and config.model.end_sites): probability each
+  # leaf's end-site point is given, per frame.
+  c.augment.update(end_site_prob=0.0)
   # Causal temporal filter of the output rotations (issue G3, ik_gat_jax/temporal.py), saved in
   # the checkpoint: IKSolver / ik_gat_jax.solve / experiments.evaluate use it unless a --filter
   # flag overrides; validation logs the filtered error and jitter. Off: on clean CMU input IK-GAT
