@@ -949,7 +949,7 @@ def load_output(output: Path) -> _Shards:
                  subjects=[dict(s) for s in d.subjects], offsets=list(np.asarray(d.offsets)),
                  bone_frames=list(np.asarray(d.bone_frames)), split_files=split_doc['files'],
                  split_sources=split_doc.get('sources', {}),
-                 arrays={s: {n: getattr(ds, n) for n in _SPLIT_LAYOUT + (
+                 arrays={s: {n: getattr(ds, n) for n in tuple(_SPLIT_LAYOUT) + (
                      ('end_sites',) if ds.end_sites is not None else ())}
                          for s, ds in sets.items()})
 

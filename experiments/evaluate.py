@@ -4,7 +4,8 @@
       --method=ikgat|iterative|iterative_noprior|swing|mean_pose [--checkpoint=DIR] [--prior=DIR] \
       [--iters=N] [--warm_start] [--noise_mm=S] [--max_frames=N] [--refine_iters=N] \
       [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B] \
-      [--trackers=full|6|10|A,B,C] [--joint_dropout=P] [--orientations=A,B,C] --output_json=FILE
+      [--trackers=full|6|10|A,B,C] [--joint_dropout=P] [--orientations=A,B,C] [--end_sites] \
+      --output_json=FILE
 
 Prints a markdown table (overall and per test part) and writes one JSON object (fields of DESIGN
 section 9 plus per_subject, per_file, per_part, settings, provenance, and the jitter of the output
@@ -12,7 +13,9 @@ and the ground truth: jitter_deg_s2, gt_jitter_deg_s2, jitter_ratio, per_joint_j
 --checkpoint / --prior the shipped checkpoints under checkpoints/ are used. Sparse inputs
 (issue G2; ikgat checkpoints trained for them only, the other methods refuse): --trackers keeps
 only a tracker subset (ik_gat_jax/trackers.py), --joint_dropout drops each remaining joint with
-probability P (seeded by --seed), --orientations gives those joints' true world rotations;
+probability P (seeded by --seed), --orientations gives those joints' true world rotations,
+--end_sites gives every end site the shards have (head top, hand and toe tips; shards converted
+with end sites);
 the result's `sparse` entry records them and `local_rot_err_deg_by_class.leaf` is the error of
 the joints positions cannot show (head, hands, toes). --filter filters any
 method's output causally per file (temporal.py); ikgat defaults to its checkpoint's `temporal`
@@ -58,6 +61,8 @@ _JOINT_DROPOUT = flags.DEFINE_float('joint_dropout', 0.0, 'Drop each observed jo
                                     'probability (seeded by --seed).')
 _ORIENTATIONS = flags.DEFINE_list('orientations', [], 'Joints whose true world rotation is '
                                   'given (ikgat with orientation_inputs only).')
+_END_SITES = flags.DEFINE_boolean('end_sites', False, 'Give the true end sites of the leaves '
+                                  '(ikgat with end_sites only; shards with end sites).')
 _FILTER = flags.DEFINE_enum('filter', None, ['none', 'one_euro'], 'Causal temporal filter of the '
                             'output rotations, per file (default: the checkpoint\'s, else none).')
 _FILTER_MIN_CUTOFF = flags.DEFINE_float('filter_min_cutoff', None, 'One-Euro cutoff at rest (Hz).')
@@ -109,7 +114,8 @@ def main(argv):
                                temporal_filter=temporal_filter(method.info),
                                sparse=evaluation.SparseInputs(
                                    _TRACKERS.value, _JOINT_DROPOUT.value,
-                                   tuple(_ORIENTATIONS.value), _SEED.value))
+                                   tuple(_ORIENTATIONS.value), _SEED.value,
+                                   end_sites=_END_SITES.value))
   result['command'] = provenance.command_line()
   print(evaluation.markdown_table(result))
   tmp = out.with_name(out.name + '.tmp')

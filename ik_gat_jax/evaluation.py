@@ -187,18 +187,22 @@ class SparseInputs:
   """Sparse-input evaluation (issue G2): `trackers` a `trackers.tracker_mask` spec (full, a
   named subset such as 6 or 10, or joint names A,B,C); `joint_dropout` each observed joint
   further dropped with this probability (seeded by `seed`); `orientations` joint names whose
-  world rotation (ground truth) is given."""
+  world rotation (ground truth) is given; `end_sites` gives every end site the data has (the
+  leaves' head top, hand and toe tips; needs shards with end sites)."""
   trackers: str = 'full'
   joint_dropout: float = 0.0
   orientations: tuple[str, ...] = ()
   seed: int = 0
+  end_sites: bool = False
 
   @property
   def active(self) -> bool:
-    return self.trackers != 'full' or self.joint_dropout > 0 or bool(self.orientations)
+    return (self.trackers != 'full' or self.joint_dropout > 0 or bool(self.orientations)
+            or self.end_sites)
 
 
-def check_sparse_support(method: Method, masked: bool, orientations: bool) -> None:
+def check_sparse_support(method: Method, masked: bool, orientations: bool,
+                         end_sites: bool = False) -> None:
   """Refuses sparse inputs a method cannot take (only IK-GAT trained for them can)."""
   caps = method.info.get('sparse_inputs', {})
   if masked and not caps.get('joint_mask'):
@@ -208,6 +212,9 @@ def check_sparse_support(method: Method, masked: bool, orientations: bool) -> No
   if orientations and not caps.get('orientation_inputs'):
     raise ValueError(f'method {method.name!r} takes no orientation inputs (--orientations need '
                      'an ikgat checkpoint with config.model.orientation_inputs)')
+  if end_sites and not caps.get('end_sites'):
+    raise ValueError(f'method {method.name!r} takes no end sites (--end_sites needs an ikgat '
+                     'checkpoint with config.model.end_sites=True)')
 
 
 def sparse_inputs(sparse: SparseInputs, method: Method, positions: np.ndarray, data, idx,
@@ -221,7 +228,7 @@ def sparse_inputs(sparse: SparseInputs, method: Method, positions: np.ndarray, d
   if sparse.joint_dropout > 0:
     mask = mask & trackers.random_masks(len(positions), sparse.joint_dropout, rig.num_joints,
                                         sparse.seed)
-  check_sparse_support(method, not mask.all(), bool(sparse.orientations))
+  check_sparse_support(method, not mask.all(), bool(sparse.orientations), sparse.end_sites)
   positions = np.where(mask[..., None], positions, np.nan).astype(np.float32)
   extras = ()
   if sparse.orientations:
@@ -232,6 +239,15 @@ def sparse_inputs(sparse: SparseInputs, method: Method, positions: np.ndarray, d
   info = {'trackers': sparse.trackers, 'joint_dropout': sparse.joint_dropout,
           'orientations': list(sparse.orientations), 'seed': sparse.seed,
           'observed_joints_mean': float(mask.sum(-1).mean())}
+  if sparse.end_sites:  # true end sites (no input noise), NaN = absent
+    from ik_gat_jax import data as data_lib
+    ends = np.asarray(data_lib.require_end_sites(data), np.float32)[idx]
+    present = np.all(np.isfinite(ends), axis=-1)
+    if not extras:  # zero-width placeholders: no orientations
+      extras = (np.zeros((len(positions), 0), np.float32), np.zeros((len(positions), 0), bool))
+    extras = extras + (ends, present)
+    info.update(end_sites=[rig.joint_names[k] for k in rig.leaves],
+                end_sites_given_mean=float(present.sum(-1).mean()))
   return positions, extras, info
 
 
@@ -253,12 +269,15 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
   B_of = _bone_frames_fn(rig)
 
   @jax.jit
-  def solve(positions, offsets, orientations=None, orientation_mask=None):
+  def solve(positions, offsets, orientations=None, orientation_mask=None, end_sites=None,
+            end_site_mask=None):
     batch = {'positions': positions.astype(dtype), 'bone_frames': B_of(offsets)}
     if model.config.joint_mask:  # NaN joints are missing (sparse evaluation, issue G2)
       batch['joint_mask'] = jnp.all(jnp.isfinite(positions), axis=-1)
-    if orientations is not None:
+    if orientations is not None and orientations.shape[-1]:  # width 0: a placeholder
       batch.update(orientations=orientations.astype(dtype), orientation_mask=orientation_mask)
+    if end_sites is not None:
+      batch.update(end_sites=end_sites.astype(dtype), end_site_mask=end_site_mask)
     local = train.ikgat_infer(model, batch).astype(jnp.float32)
     if refine is not None:  # amortized + refine (G1): a few anchored iterations from IK-GAT
       local = iterative_ik.refine_rotations(local, positions, offsets, rig, refine)[0]
@@ -268,7 +287,8 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
           'trained_steps': meta.get('step'), 'dtype': dtype,
           'temporal': temporal.from_checkpoint_meta(meta).to_dict(),  # the checkpoint's filter
           'sparse_inputs': {'joint_mask': model.config.joint_mask and refine is None,
-                            'orientation_inputs': list(model.config.orientation_inputs)}}
+                            'orientation_inputs': list(model.config.orientation_inputs),
+                            'end_sites': model.config.end_sites}}
   if refine is not None:
     info['refine'] = dataclasses.asdict(refine)
   name = 'ikgat' if refine is None else f'ikgat+refine{refine.iters}'

@@ -90,7 +90,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                filter_kind: str | None = None, filter_min_cutoff: float | None = None,
                filter_beta: float | None = None, filter_d_cutoff: float | None = None,
                latency_frames: int = 0, log: Callable[[str], None] = _stderr,
-               trackers: str = 'full', orientations: str | None = None) -> dict:
+               trackers: str = 'full', orientations: str | None = None,
+               end_sites: str | None = None) -> dict:
   """Reads `input`, solves, writes `output` (+ `smpl_npz`, `plot`, `clip`); returns a summary.
 
   `rig` (a name or rig JSON) refuses a checkpoint for another rig. Offsets (the subject R is
@@ -106,6 +107,9 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   (temporal.py; none for the shipped checkpoint), run causally over the clip at its rate.
   `trackers` (a `trackers.tracker_mask` spec) and NaN input joints mark joints missing, and
   `orientations` (an .npy) gives world rotations, for checkpoints trained for them (issue G2).
+  `end_sites`: an .npy `[T, E, 3]` of the rig leaves' end-site points (input units and axes,
+  NaN = not given), or 'bvh' for a BVH input's own End Sites; a checkpoint trained with end
+  sites (issue G2) also uses a BVH input's End Sites when `end_sites` is None; 'none' gives none.
   """
   from ik_gat_jax import solver as solver_lib
   from ik_gat_jax.io import exports
@@ -134,9 +138,10 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   rate = float(fps or source.fps or 30.0)
   solver.fps = rate
   mask, orient = _sparse_inputs(solver, trackers, orientations, len(source.positions))
+  ends = _end_sites(solver, end_sites, source)
   sol = solver.solve(source.positions, offsets=offsets, estimate_lengths=estimate_lengths,
                      units=None if source.metres_rig else units, input_axes=M, full=True,
-                     progress=progress, mask=mask, orientations=orient)
+                     progress=progress, mask=mask, orientations=orient, end_sites=ends)
   with exports.staged([output, smpl_npz, plot, clip], overwrite) as (out, smpl, png, frames):
     _write_main(kind, out, sol, rig, rate, bvh_units, smpl_world, solver)
     if smpl is not None:
@@ -175,7 +180,23 @@ def _sparse_inputs(solver, trackers: str, orientations: str | None, T: int):
   return mask, orient
 
 
-def _write_main(kind, path, sol, rig, fps, bvh_units, smpl_world, solver) -> None:
+def _end_sites(solver, end_sites: str | None, source) -> np.ndarray | None:
+  """`[T, E, 3]` end sites (issue G2) from --end_sites (an .npy, 'bvh' or 'none'); by default a
+  BVH input's own End Sites when the checkpoint takes end sites."""
+  if end_sites == 'none' or (end_sites is None and not (solver.end_sites and
+                                                        source.end_sites is not None)):
+    return None
+  if end_sites in (None, 'bvh'):
+    if source.end_sites is None:
+      raise ValueError('--end_sites=bvh: the input is not a BVH with End Sites')
+    return source.end_sites
+  ends = np.load(end_sites)
+  T, E = len(source.positions), len(solver.rig.leaves)
+  if ends.shape != (T, E, 3):
+    leaves = ', '.join(solver.rig.joint_names[k] for k in solver.rig.leaves)
+    raise ValueError(f'--end_sites {end_sites}: expected [{T}, {E}, 3] (end sites of {leaves}), '
+                     f'got {list(ends.shape)}')
+  return ends
   from ik_gat_jax.io import exports
   if kind == 'bvh':
     exports.write_solution_bvh(path, sol, rig, fps, units=bvh_units)
@@ -250,6 +271,9 @@ def define_flags() -> None:
     '(6, 10; ik_gat_jax/trackers.py) or joint names A,B,C; NaN input joints are missing too.')
   s('orientations', None, '.npy [T, J, 3, 3] world rotations (rig axes; NaN = not given) for a '
     'checkpoint with orientation inputs.')
+  s('end_sites', None, '.npy [T, E, 3] end-site points of the rig\'s leaves (input units and '
+    'axes; NaN = not given), "bvh" (a BVH input\'s End Sites; the default for a checkpoint with '
+    'end sites) or "none".')
   _FLAGS_DEFINED = True
 
 
@@ -278,7 +302,7 @@ def main(argv) -> None:
                  refine_iters=F.refine_iters, filter_kind=F['filter'].value,
                  filter_min_cutoff=F.filter_min_cutoff, filter_beta=F.filter_beta,
                  filter_d_cutoff=F.filter_d_cutoff, trackers=F.trackers,
-                 orientations=F.orientations)
+                 orientations=F.orientations, end_sites=F.end_sites)
   except (ValueError, KeyError, OSError, checkpointing.CheckpointError) as e:
     text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip()
     _stderr(f'error: {text.splitlines()[0] if text else type(e).__name__}')

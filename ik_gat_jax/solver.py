@@ -34,7 +34,10 @@ Sparse inputs (issue G2). A checkpoint trained with `joint_mask` takes missing j
 [T, J]` (1 = observed) and/or NaN joints in the positions (read as missing); one trained with
 `orientation_inputs` takes `orientations [T, J, 3, 3]` (world rotations G_j in the rig's axes;
 `orientation_mask [T, J]`, default all given; only its `orientation_inputs` joints are used).
-A checkpoint without them refuses a mask, NaN joints or orientations with `InputError`.
+A checkpoint trained with `end_sites` takes `end_sites [T, E, 3]` (world points of the rig's
+leaves `rig.leaves`: head top, hand and toe tips; same units and axes as the positions; NaN =
+not given).
+A checkpoint without them refuses a mask, NaN joints, orientations or end sites with `InputError`.
 With missing joints the plausibility warnings are skipped, `estimate_lengths` and refinement
 refuse, and `positions_fk` is NaN in frames whose root is missing (FK starts at the root).
 
@@ -444,6 +447,7 @@ class IKSolver:
     self._forward = _make_forward(graphdef, self.rig, self._traces, self.refine)
     self.supports_masks = bool(model.config.joint_mask)  # sparse inputs (issue G2)
     self.orientation_inputs = tuple(model.config.orientation_inputs)
+    self.end_sites = bool(getattr(model.config, 'end_sites', False))
     self._frames_cache: dict[bytes, tuple] = {}
     self.temporal_filter = (temporal.from_checkpoint_meta(self.meta) if temporal_filter is None
                             else temporal_filter)
@@ -539,9 +543,10 @@ class IKSolver:
   # -- solving ------------------------------------------------------------------------------
 
   def sparse_inputs(self, pos: np.ndarray, mask=None, orientations=None,
-                    orientation_mask=None) -> dict[str, np.ndarray] | None:
+                    orientation_mask=None, end_sites=None) -> dict[str, np.ndarray] | None:
     """Checks the optional sparse inputs of `pos [T, J, 3]` (module docstring) -> the model's
-    extra inputs (`joint_mask`, `orientations`, `orientation_mask`), or None without any."""
+    extra inputs (`joint_mask`, `orientations`, `orientation_mask`, `end_sites`,
+    `end_site_mask`), or None without any. `end_sites` in metres, rig axes."""
     T, J = pos.shape[:2]
     finite = np.isfinite(pos).all(-1)
     out = {}
@@ -565,8 +570,22 @@ class IKSolver:
           np.asarray(orientation_mask, bool).reshape((-1, J)), (T, J))
       out['orientations'] = np.broadcast_to(o, (T, J, 3, 3))
       out['orientation_mask'] = given & np.isfinite(out['orientations']).all((-1, -2))
+    if end_sites is not None:
+      if not self.end_sites:
+        raise InputError('this checkpoint takes no end sites (config.model.end_sites=False)')
+      E = len(self.rig.leaves)
+      e = np.asarray(end_sites, np.float32)
+      if e.shape[-2:] != (E, 3) or e.reshape((-1, E, 3)).shape[0] not in (1, T):
+        raise InputError(f'end_sites must be [{T}, {E}, 3] (leaves '
+                         f'{", ".join(self.rig.joint_names[k] for k in self.rig.leaves)}), '
+                         f'got {list(e.shape)}')
+      e = np.broadcast_to(e.reshape((-1, E, 3)), (T, E, 3))
+      given = np.isfinite(e).all(-1)
+      out['end_sites'] = np.where(given[..., None], e, 0.0).astype(np.float32)
+      out['end_site_mask'] = given
     if out and self.refine is not None:
-      raise InputError('refinement (refine_iters) needs every joint and takes no orientations')
+      raise InputError('refinement (refine_iters) needs every joint and takes no orientations '
+                       'or end sites')
     return out or None
 
   def _run(self, pos: np.ndarray, subject, full: bool,
@@ -585,17 +604,22 @@ class IKSolver:
   def solve(self, positions, *, offsets=None, estimate_lengths: bool = False,
             units: str | float | None = None, input_axes: str | np.ndarray | None = None,
             full: bool = False, check: bool = True, progress: bool | None = None,
-            mask=None, orientations=None, orientation_mask=None):
+            mask=None, orientations=None, orientation_mask=None, end_sites=None):
     """Solves a clip `[T, J, 3]` or one frame `[J, 3]` (rig joint order).
 
     Returns local rotations `[T, J, 3, 3]` (`[J, 3, 3]` for one frame), float32 numpy; with
     `full=True` a `Solution` (always with the frame axis). `progress`: None shows a bar on
     stderr when T > block_size. Raises InputError; warns on likely unit/axis problems.
     `mask [T, J]` / `[J]` (1 = observed; NaN joints count as missing too), `orientations
-    [T, J, 3, 3]` / `[J, 3, 3]` and `orientation_mask`: sparse inputs (module docstring).
+    [T, J, 3, 3]` / `[J, 3, 3]` and `orientation_mask`, `end_sites [T, E, 3]` / `[E, 3]` (in
+    the positions' units and axes; NaN = not given): sparse inputs (module docstring).
     """
     pos, single = self.prepare(positions, units=units, input_axes=input_axes, check=check)
-    sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask)
+    if end_sites is not None:  # the positions' units and axes (NaN = not given)
+      with np.errstate(invalid='ignore'):
+        end_sites = (np.asarray(end_sites, np.float64) * parse_units(units)) @ parse_input_axes(
+            input_axes, self.rig).T
+    sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
     if sparse is not None and 'joint_mask' in sparse and estimate_lengths:
       raise InputError('estimate_lengths needs every joint; give the subject\'s offsets')
     off = self.resolve_offsets(pos, offsets, estimate_lengths)
@@ -663,17 +687,18 @@ class IKSolver:
     self._filter_state = None
 
   def step(self, frame, offsets=None, mask=None, orientations=None,
-           orientation_mask=None) -> np.ndarray:
+           orientation_mask=None, end_sites=None) -> np.ndarray:
     """One live frame `[J, 3]` (metres, rig axes) -> local rotations `[J, 3, 3]`.
 
     Only the cheap checks (shape, finite); compiled once (bucket 1). With a temporal filter the
     output is filtered with the stream's state (kept until `reset`). `mask`, `orientations`,
-    `orientation_mask`: sparse inputs of this frame (`[J]`, `[J, 3, 3]`; module docstring).
+    `orientation_mask`, `end_sites`: sparse inputs of this frame (`[J]`, `[J, 3, 3]`, `[E, 3]`;
+    module docstring).
     """
     pos, _ = check_positions(frame, self.rig, allow_missing=self.supports_masks)
     if pos.shape[0] != 1:
       raise InputError(f'step takes one frame [{self.rig.num_joints}, 3], got {pos.shape[0]}')
-    sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask)
+    sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
     off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
     local = self._run(pos, self._device_subject(off), False, sparse)['local_rot']
     return self._filter_stream(local)[0]

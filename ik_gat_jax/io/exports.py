@@ -142,11 +142,14 @@ def _replace(tmp: Path, path: Path) -> None:
 @dataclasses.dataclass
 class PositionsFile:
   """What a reader found. positions: `[T, J, 3]` (input units and axes unless `metres_rig`);
-  offsets: `[J, 3]` metres or None; fps or None; metres_rig: already metres in rig axes (BVH)."""
+  offsets: `[J, 3]` metres or None; fps or None; metres_rig: already metres in rig axes (BVH);
+  end_sites: `[T, E, 3]` the rig leaves' End Sites of a BVH that has them (metres, rig axes,
+  NaN = none; issue G2), else None."""
   positions: np.ndarray
   offsets: np.ndarray | None = None
   fps: float | None = None
   metres_rig: bool = False
+  end_sites: np.ndarray | None = None
 
 
 def read_positions(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = None,
@@ -313,9 +316,10 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
     raise InputError(f'{path}: no frames to solve')
   W = conversion.world_rotation(jmap.up, jmap.forward, rig.up, rig.forward)
   rate = conversion.source_fps(motion.frame_time)
-  _, out, _, p, _ = conversion.convert_motion(motion, jmap, W, fps or rate, rig.joint_names,
+  _, out, G, p, _ = conversion.convert_motion(motion, jmap, W, fps or rate, rig.joint_names,
                                               rig.parents)
-  return PositionsFile(p, out.offsets, fps or rate, metres_rig=True)
+  return PositionsFile(p, out.offsets, fps or rate, metres_rig=True,
+                       end_sites=conversion.end_sites_world(out, G, p, rig.parents))
 
 
 def read_bvh_offsets(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = None,
