@@ -45,9 +45,20 @@ _VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize('kw', _VARIANTS)
-def test_masked_joints_cannot_affect_output(rig, kw):
-  model = _model(rig, **kw)
+@pytest.fixture(scope='module')
+def masked_forwards(rig):
+  """Per variant: (model, jitted forward(positions, joint_mask)), compiled once per module."""
+  out = []
+  for kw in _VARIANTS:
+    model = _model(rig, **kw)
+    out.append((model, jax.jit(lambda p, m, model=model: model(p, deterministic=True,
+                                                               joint_mask=m))))
+  return out
+
+
+@pytest.mark.parametrize('variant', range(len(_VARIANTS)))
+def test_masked_joints_cannot_affect_output(rig, masked_forwards, variant):
+  _, forward = masked_forwards[variant]
   pos = jnp.asarray(_positions(rig))
   mask = np.ones((6, rig.num_joints), bool)
   mask[0, [0]] = False                        # the root (centre falls back to the mean)
@@ -55,7 +66,7 @@ def test_masked_joints_cannot_affect_output(rig, kw):
   mask[2, [6, 9, 12, 16, 20]] = False         # the leaves
   mask[3, :] = False                          # nothing observed
   mask[4] = trackers.tracker_mask(rig, '6')
-  f = jax.jit(lambda p: model(p, deterministic=True, joint_mask=mask))
+  f = lambda p: forward(p, mask)
   ref = np.asarray(f(pos))
   assert np.isfinite(ref).all()
   rng = np.random.default_rng(1)
@@ -69,10 +80,11 @@ def test_masked_joints_cannot_affect_output(rig, kw):
 
 
 def test_all_observed_mask_equals_no_mask(rig):
+  # Eager on purpose: two jitted programs may fuse differently, and this checks bit equality.
   model = _model(rig, output_space='mixed', scale_normalization=True)
-  pos = jnp.asarray(_positions(rig))
+  pos = jnp.asarray(_positions(rig, n=2))
   a = model(pos, deterministic=True)
-  b = model(pos, deterministic=True, joint_mask=np.ones((6, rig.num_joints), np.float32))
+  b = model(pos, deterministic=True, joint_mask=np.ones((2, rig.num_joints), np.float32))
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -81,8 +93,8 @@ def test_orientation_changes_output_only_where_given(rig):
   pos = jnp.asarray(_positions(rig, n=2))
   eye = jnp.broadcast_to(jnp.eye(3), (2, rig.num_joints, 3, 3))
   rot = jnp.asarray(np.linalg.qr(np.random.default_rng(2).normal(size=(2, rig.num_joints, 3, 3)))[0])
-  run = lambda o, m: np.asarray(model(pos, deterministic=True, orientations=o,
-                                      orientation_mask=m))
+  f = jax.jit(lambda o, m: model(pos, deterministic=True, orientations=o, orientation_mask=m))
+  run = lambda o, m: np.asarray(f(o, m))
   given = np.zeros((2, rig.num_joints), bool)
   given[:, 6] = True  # Head given
   base = run(eye, given)
@@ -149,16 +161,17 @@ def _batch(rig, n=64):
 def test_mask_augmentation_is_deterministic_and_leaves_the_rest_alone(rig):
   batch = _batch(rig)
   key = jax.random.fold_in(jax.random.key(0), 7)
-  plain = input_pipeline.augment(batch, key, _aug(), rig)
+  plain = jax.jit(lambda k: input_pipeline.augment(batch, k, _aug(), rig))(key)
   aug = _aug(joint_dropout=0.5, tracker_subsets=0.3, orientation_prob=0.5)
-  a = input_pipeline.augment(batch, key, aug, rig)
-  b = input_pipeline.augment(batch, key, aug, rig)
+  augment = jax.jit(lambda k: input_pipeline.augment(batch, k, aug, rig))
+  a = augment(key)
+  b = augment(key)
   for k in ('joint_mask', 'orientations', 'orientation_mask'):
     np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
   assert 'joint_mask' not in plain
   for k in plain:  # the other augmentations draw exactly what they drew before
     np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(plain[k]))
-  other = input_pipeline.augment(batch, jax.random.fold_in(jax.random.key(0), 8), aug, rig)
+  other = augment(jax.random.fold_in(jax.random.key(0), 8))
   assert not np.array_equal(np.asarray(a['joint_mask']), np.asarray(other['joint_mask']))
   m = np.asarray(a['joint_mask'])
   assert 0.3 < m.mean() < 0.95
