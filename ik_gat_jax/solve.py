@@ -197,6 +197,9 @@ def _end_sites(solver, end_sites: str | None, source) -> np.ndarray | None:
     raise ValueError(f'--end_sites {end_sites}: expected [{T}, {E}, 3] (end sites of {leaves}), '
                      f'got {list(ends.shape)}')
   return ends
+
+
+def _write_main(kind, path, sol, rig, fps, bvh_units, smpl_world, solver) -> None:
   from ik_gat_jax.io import exports
   if kind == 'bvh':
     exports.write_solution_bvh(path, sol, rig, fps, units=bvh_units)
