@@ -299,7 +299,8 @@ def sample_input_masks(key: jax.Array, batch: dict, aug: Any, rig: Rig) -> dict:
 
   `aug` fields (absent = 0): joint_dropout p (per frame a rate r ~ U[0, p], then every joint,
   the root included, dropped with probability r), tracker_subsets q (per frame, with
-  probability q the mask is instead one of the rig's named subsets, uniformly), orientation_prob
+  probability q the mask is instead one of the rig's named subsets, uniformly), full_frames f
+  (with probability f a frame keeps every joint, whatever p and q drew), orientation_prob
   o (each joint's world rotation given with probability o, independently of its position; the
   model uses only its `orientation_inputs` joints). Returns `joint_mask [B, J]` bool and/or
   `orientations [B, J, 3, 3]` (G from the batch's local rotations) + `orientation_mask [B, J]`.
@@ -319,6 +320,10 @@ def sample_input_masks(key: jax.Array, batch: dict, aug: Any, rig: Rig) -> dict:
                          'tracker subsets (ik_gat_jax/trackers.py)')
       pick = jnp.asarray(subsets)[jax.random.randint(k_pick, (B_,), 0, len(subsets))]
       mask = jnp.where(jax.random.uniform(k_use, (B_, 1)) < q, pick, mask)
+    f = float(aug.get('full_frames', 0.0))
+    if f > 0:  # own key (fold_in): the draws above stay what they were without it
+      full = jax.random.uniform(jax.random.fold_in(key, 7), (B_, 1)) < f
+      mask = mask | full
     out['joint_mask'] = mask
   if o > 0:
     out['orientations'] = kinematics.local_to_global(batch['local_rot'], rig.parents)

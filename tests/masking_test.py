@@ -240,3 +240,19 @@ def test_evaluation_refuses_masks_for_methods_without_them(rig):
     evaluation.check_sparse_support(method, masked=True, orientations=False)
   with pytest.raises(ValueError, match='orientation'):
     evaluation.check_sparse_support(method, masked=False, orientations=True)
+
+
+def test_full_frames_keep_every_joint_and_only_add_observations(rig):
+  batch = _batch(rig)
+  key = jax.random.fold_in(jax.random.key(0), 7)
+  masks = {}
+  for f in (0.0, 0.5, 1.0):
+    aug = _aug(joint_dropout=0.5, tracker_subsets=0.3, full_frames=f)
+    masks[f] = np.asarray(jax.jit(
+        lambda k, aug=aug: input_pipeline.augment(batch, k, aug, rig))(key)['joint_mask'])
+  assert masks[1.0].all()
+  half = masks[0.5]
+  assert (half >= masks[0.0]).all()  # a frame is either as drawn without f, or full
+  full_rows = half.all(-1) & ~masks[0.0].all(-1)
+  assert full_rows.any()
+  np.testing.assert_array_equal(half[~half.all(-1)], masks[0.0][~half.all(-1)])

@@ -27,8 +27,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.augment = ml_collections.ConfigDict(dict(yaw=True, mirror=0.5, bone_scale=0.07,
                                              noise_mm=0.0))
   # Sparse inputs (G2; 0 = off; input_pipeline.sample_input_masks): per-frame joint dropout
-  # rate U[0, p], probability of a named tracker subset, probability an orientation is given.
-  c.augment.update(joint_dropout=0.0, tracker_subsets=0.0, orientation_prob=0.0)
+  # rate U[0, p], probability of a named tracker subset, probability an orientation is given,
+  # probability a frame keeps every joint.
+  c.augment.update(joint_dropout=0.0, tracker_subsets=0.0, orientation_prob=0.0, full_frames=0.0)
   # End sites (G2; needs shards with end sites and config.model.end_sites): probability each
   # leaf's end-site point is given, per frame.
   c.augment.update(end_site_prob=0.0)
