@@ -92,6 +92,9 @@ ROWS = (
     Row('adjacency', 'child_to_parent (one way)', (_m('adjacency', 'child_to_parent'),), 1),
     Row('adjacency', 'full (fully connected)', (_m('adjacency', 'full'),), 1),
     Row('aggregation', 'mean (no attention)', (_m('aggregation', 'mean'),), 1),
+    Row('head', 'observed-direction head', (_m('observed_direction_head', True),), 1),
+    Row('heading', 'canonicalised, no yaw aug', (_m('heading_canonicalization', True),
+                                                 '--config.augment.yaw=False'), 1),
     Row('size', 'large', ('--size=large',)),
 )
 # What the baseline is called in each table.
