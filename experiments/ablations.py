@@ -93,6 +93,7 @@ ROWS = (
     Row('adjacency', 'full (fully connected)', (_m('adjacency', 'full'),), 1),
     Row('aggregation', 'mean (no attention)', (_m('aggregation', 'mean'),), 1),
     Row('head', 'observed-direction head', (_m('observed_direction_head', True),), 1),
+    Row('alpha', 'alpha=0', ('--config.loss.alpha=0.0',), 1),
     Row('heading', 'canonicalised, no yaw aug', (_m('heading_canonicalization', True),
                                                  '--config.augment.yaw=False'), 1),
     Row('size', 'large', ('--size=large',)),
