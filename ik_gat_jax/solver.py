@@ -374,22 +374,42 @@ def _make_forward(graphdef, rig: Rig, counter: list[int], refine=None):
   `refine` (an `iterative_ik.SolverConfig`): amortized + refine, a few anchored iterations of the
   rotation solver from IK-GAT's output (issue G1; BENCHMARKS.md).
   """
-  from ik_gat_jax import iterative_ik
-  from ik_gat_jax import train  # the one inference path (train.ikgat_infer); heavy import
 
   def forward(state, positions, offsets, B, full, sparse=None):
     counter[0] += 1  # runs at trace time only: counts compilations
-    model = nnx.merge(graphdef, state)
-    local = train.ikgat_infer(model, {'positions': positions, 'bone_frames': B[None],
-                                      **(sparse or {})}, rig=rig)
-    if refine is not None:
-      local = iterative_ik.refine_rotations(local, positions, offsets, rig, refine)[0]
+    local = _infer(graphdef, rig, refine, state, positions, offsets, B, sparse)
     if not full:
       return {'local_rot': local}
     G, p = kinematics.forward_kinematics(local, offsets, rig.parents, root_pos=positions[:, 0])
     return {'local_rot': local, 'global_rot': G, 'bone_aligned_rot': G @ B, 'positions_fk': p}
 
   return jax.jit(forward, static_argnums=4)
+
+
+def _infer(graphdef, rig: Rig, refine, state, positions, offsets, B, sparse=None):
+  """The network (+ the optional refinement): positions `[b, J, 3]` -> local `[b, J, 3, 3]`."""
+  from ik_gat_jax import iterative_ik
+  from ik_gat_jax import train  # the one inference path (train.ikgat_infer); heavy import
+  model = nnx.merge(graphdef, state)
+  local = train.ikgat_infer(model, {'positions': positions, 'bone_frames': B[None],
+                                    **(sparse or {})}, rig=rig)
+  if refine is not None:
+    local = iterative_ik.refine_rotations(local, positions, offsets, rig, refine)[0]
+  return local
+
+
+def _make_stream_step(graphdef, rig: Rig, counter: list[int], refine,
+                      config: temporal.FilterConfig, fps: float):
+  """jit((state, filter state, one frame [1, J, 3], offsets, B, sparse)) -> (filter state,
+  filtered local [J, 3, 3]): network and temporal filter in one call, so a filtered live stream
+  pays one dispatch per frame, not two (measured: +42% latency as two calls)."""
+
+  def step(state, fstate, positions, offsets, B, sparse=None):
+    counter[0] += 1
+    local = _infer(graphdef, rig, refine, state, positions, offsets, B, sparse)
+    return temporal.filter_step(fstate, local[0], config, fps)
+
+  return jax.jit(step)
 
 
 _fk_jit = jax.jit(lambda local, off, root, rig: kinematics.forward_kinematics(
@@ -455,6 +475,9 @@ class IKSolver:
       raise InputError(f'fps must be a positive frame rate, got {fps}')
     self.fps = float(fps)
     self._filter_state: temporal.FilterState | None = None
+    self._stream_step = (_make_stream_step(graphdef, self.rig, self._traces, self.refine,
+                                           self.temporal_filter, self.fps)
+                         if self.temporal_filter.active else None)
 
   @classmethod
   def from_checkpoint(cls, path: str | os.PathLike | None = None, *, offsets=None,
@@ -700,8 +723,15 @@ class IKSolver:
       raise InputError(f'step takes one frame [{self.rig.num_joints}, 3], got {pos.shape[0]}')
     sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
     off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
-    local = self._run(pos, self._device_subject(off), False, sparse)['local_rot']
-    return self._filter_stream(local)[0]
+    subject = self._device_subject(off)
+    if self._stream_step is None:
+      return self._run(pos, subject, False, sparse)['local_rot'][0]
+    fstate = self._filter_state or temporal.init_state(self.rig.num_joints)
+    if sparse is not None:
+      sparse = {k: jnp.asarray(v) for k, v in sparse.items()}
+    self._filter_state, out = self._stream_step(
+        self._state, fstate, jnp.asarray(pos, jnp.float32), subject[0], subject[1], sparse)
+    return np.asarray(out)
 
   def solve_stream(self, frames: Iterable, offsets=None) -> Iterator[np.ndarray]:
     """Per item of `frames` (`[J, 3]` or a small batch `[b, J, 3]`, b <= block_size): its local
