@@ -662,6 +662,13 @@ def read_motion(path: str | os.PathLike, drop_first_frame: bool) -> tuple[bvh.BV
   return motion, total
 
 
+def _require_fk(error: float, what: str) -> None:
+  """Conversion refuses a file whose reduced rig does not reproduce the raw channels' FK."""
+  if not error <= FK_TOL_M:
+    raise ConversionError(f'FK check failed: {what} differ from the raw channels by up to '
+                          f'{error:.3g} m (limit {FK_TOL_M:g} m)')
+
+
 def convert_motion(motion: bvh.BVHMotion, jmap: JointMap, W: np.ndarray, fps: float,
                    rig_names: Sequence[str] | None = None,
                    rig_parents: Sequence[int] | None = None
@@ -674,16 +681,12 @@ def convert_motion(motion: bvh.BVHMotion, jmap: JointMap, W: np.ndarray, fps: fl
   plan = plan_reduction(motion.names, motion.parents, jmap, rig_names, rig_parents)
   reduced = reduce_motion(motion, plan, jmap.units, W)
   error = verify_fk(motion, plan, reduced, jmap.units, W)
-  if not error <= FK_TOL_M:
-    raise ConversionError(f'FK check failed: reduced rig positions differ from the raw channels '
-                          f'by up to {error:.3g} m (limit {FK_TOL_M:g} m)')
+  _require_fk(error, 'reduced rig positions')
   sources = end_site_sources(motion, plan)
   if any(s is not None for s in sources):
     world = end_site_positions(motion, sources, jmap.units, W)
     es_error = verify_end_sites(motion, sources, world, jmap.units, W)
-    if not es_error <= FK_TOL_M:
-      raise ConversionError(f'FK check failed: end sites differ from the raw channels by up to '
-                            f'{es_error:.3g} m (limit {FK_TOL_M:g} m)')
+    _require_fk(es_error, 'end sites')
     error = max(error, es_error)
     leaves = list(skeleton.leaves_of(plan.parents))
     G0, p0 = forward_kinematics_np(reduced, plan.parents)
