@@ -6,23 +6,110 @@ rig, metrics, provenance, format version). Restoring goes through an abstract tr
 dtypes and shardings from `jax.eval_shape`), so a checkpoint written on 8 devices restores on 1.
 Writes are atomic (orbax writes a temporary directory and renames it), so an interrupted save
 never leaves a half-written step behind.
+
+A checkpoint that cannot be used (corrupt metadata, a truncated or missing array file, a tree or
+shapes that do not match the model being restored) raises `CheckpointError` with one line naming
+the checkpoint directory, the step and the reason (orbax's own multi-line reports are reduced to
+their most specific cause).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import sys
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from ik_gat_jax.errors import CheckpointError  # noqa: F401  (also checkpointing.CheckpointError)
+
 FORMAT_VERSION = 1
 
 
-class CheckpointError(ValueError):
-  """A missing, corrupt or incompatible checkpoint, with the reason."""
+def one_line(e: BaseException, limit: int = 300) -> str:
+  """`e`'s most specific cause (the innermost of its chain) as one line of at most `limit`
+  characters: orbax and TensorStore errors span many lines and bury the reason at the end."""
+  root, seen = e, {id(e)}
+  while True:
+    nxt = root.__cause__ if root.__cause__ is not None else (
+        None if root.__suppress_context__ else root.__context__)
+    if nxt is None or id(nxt) in seen:
+      break
+    seen.add(id(nxt))
+    root = nxt
+  text = f'{type(root).__name__}: {" ".join(str(root).split())}'
+  return text if len(text) <= limit else text[:limit - 3] + '...'
+
+
+def _without_tracebacks(e: BaseException) -> BaseException:
+  """`e` and its chain without their tracebacks: the messages stay, the frames (and orbax's
+  abandoned read coroutines they hold) can go."""
+  x, seen = e, set()
+  while x is not None and id(x) not in seen:
+    seen.add(id(x))
+    x.__traceback__ = None
+    x = x.__cause__ if x.__cause__ is not None else x.__context__
+  return e
+
+
+def _collect_abandoned_reads(settle_s: float = 0.2) -> None:
+  """After a failed restore, orbax has closed its event loop with the sibling array reads still
+  pending: when TensorStore finishes them its callbacks hit the closed loop ("Event loop is
+  closed") and the abandoned coroutines, once collected, print "Exception ignored in
+  <coroutine>" with a TensorStore spec (dozens of lines after the one-line error). Give the
+  reads `settle_s` to finish, then collect them, quietly."""
+  hook = sys.unraisablehook
+  sys.unraisablehook = lambda unraisable: None
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore', RuntimeWarning)  # "coroutine ... was never awaited"
+      gc.collect()
+      time.sleep(settle_s)
+      gc.collect()
+  finally:
+    sys.unraisablehook = hook
+
+
+def _key_name(k) -> str:
+  for attr in ('key', 'idx', 'name'):  # DictKey, SequenceKey, GetAttrKey
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def _shapes(tree: Any) -> dict[str, tuple]:
+  """`{dotted path: shape}` of a tree's array leaves (orbax's spelling of the paths)."""
+  return {'.'.join(_key_name(k) for k in path): tuple(x.shape)
+          for path, x in jax.tree_util.tree_leaves_with_path(tree) if hasattr(x, 'shape')}
+
+
+def _listed(names, n: int = 3) -> str:
+  names = sorted(names)
+  return ', '.join(names[:n]) + (f' (+{len(names) - n} more)' if len(names) > n else '')
+
+
+def tree_mismatch(saved: Any, wanted: Any) -> str | None:
+  """How the saved tree (orbax metadata) and the wanted abstract tree differ, or None."""
+  s, w = _shapes(saved), _shapes(wanted)
+  if not s or not w or not set(s) & set(w):  # nothing comparable: no diagnosis
+    return None
+  parts = []
+  if set(s) - set(w):
+    parts.append(f'only in the checkpoint: {_listed(set(s) - set(w))}')
+  if set(w) - set(s):
+    parts.append(f'only in the model: {_listed(set(w) - set(s))}')
+  diff = sorted(k for k in set(s) & set(w) if s[k] != w[k])
+  if diff:
+    k = diff[0]
+    more = f' (+{len(diff) - 1} more arrays)' if len(diff) > 1 else ''
+    parts.append(f'{k} has shape {s[k]} in the checkpoint, {w[k]} in the model{more}')
+  return '; '.join(parts) or None
 
 
 class Checkpointer:
@@ -34,8 +121,12 @@ class Checkpointer:
       raise CheckpointError(f'no checkpoint directory at {self.directory}')
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create,
                                            enable_async_checkpointing=False)
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_names=('state', 'meta'))
+    # Handlers named up front (not inferred from the first save/restore's args), so the
+    # state's array metadata can be read before restoring it (`_saved_tree`).
+    self._manager = ocp.CheckpointManager(
+        self.directory, options=options,
+        item_handlers={'state': ocp.StandardCheckpointHandler(),
+                       'meta': ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -55,25 +146,51 @@ class Checkpointer:
     try:
       meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises many kinds; report one clear error
+      raise CheckpointError(f'cannot read checkpoint metadata at {self.directory} step {step} '
+                            f'(corrupt meta file?): {one_line(e)}') from e
+    meta = meta['meta']
+    if not isinstance(meta, dict):
       raise CheckpointError(f'cannot read checkpoint metadata at {self.directory} step {step}: '
-                            f'{e}') from e
-    meta = dict(meta['meta'])
+                            f'it holds a JSON {type(meta).__name__}, not an object')
     if meta.get('format_version') != FORMAT_VERSION:
       raise CheckpointError(f'checkpoint {self.directory} has format version '
-                            f'{meta.get("format_version")}, this code reads {FORMAT_VERSION}')
-    return meta
+                            f'{meta.get("format_version")!r:.40}, this code reads '
+                            f'{FORMAT_VERSION}')
+    return dict(meta)
 
   def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
     """Restores `(state, meta)`; `abstract_state` gives shapes, dtypes and shardings."""
     step = self._resolve(step)
     meta = self.restore_meta(step)
+    saved = self._saved_tree(step)
+    if saved is not None and set(_shapes(saved)) == set(_shapes(abstract_state)):
+      mismatch = tree_mismatch(saved, abstract_state)  # the same arrays: only shapes can differ
+      if mismatch is not None:  # refuse before orbax starts reading (and fails noisily)
+        raise CheckpointError(f'checkpoint {self.directory} step {step} does not match the '
+                              f'model being restored: {mismatch}')
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state)))
     except Exception as e:
-      raise CheckpointError(f'checkpoint {self.directory} step {step} does not match the model '
-                            f'being restored ({type(e).__name__}: {str(e)[:300]})') from e
-    return out['state'], meta
+      mismatch = None if saved is None else tree_mismatch(saved, abstract_state)
+      if mismatch is not None:
+        error = CheckpointError(f'checkpoint {self.directory} step {step} does not match the '
+                                f'model being restored: {mismatch}')
+      else:
+        error = CheckpointError(f'cannot restore checkpoint {self.directory} step {step} (a '
+                                f'corrupt or truncated array file?): {one_line(e)}')
+      error.__cause__ = _without_tracebacks(e)
+    else:
+      return out['state'], meta
+    _collect_abandoned_reads()
+    raise error
+
+  def _saved_tree(self, step: int) -> Any:
+    """The step's saved array metadata (shapes, dtypes) as a tree, or None when unreadable."""
+    try:
+      return self._manager.item_metadata(step)['state']
+    except Exception:  # unreadable metadata: the restore error itself is reported
+      return None
 
   def _resolve(self, step: int | None) -> int:
     step = self.latest_step() if step is None else step

@@ -338,14 +338,27 @@ def make_predict(task: Task, graphdef, config, rig: Rig, mesh: Mesh | None = Non
                  out_shardings=replicated(mesh))
 
 
+def model_config_diff(saved: Mapping | None, current: Mapping | None) -> list[str]:
+  """The fields in which two model configs differ as JSON (sorted), a field missing from a
+  checkpoint made before it existed counting as its off value (False, empty list, None)."""
+  a, b = (json.loads(json.dumps(dict(x or {}))) for x in (saved, current))
+  off = (False, [], None, '')
+  return sorted([k for k in set(a) ^ set(b) if (a if k in a else b)[k] not in off] +
+                [k for k in set(a) & set(b) if a[k] != b[k]])
+
+
 def same_model_config(saved: Mapping | None, current: Mapping | None) -> bool:
   """Model configs equal as JSON, a field missing from a checkpoint made before it existed
   counting as its off value (False, empty list, None)."""
-  a, b = (json.loads(json.dumps(dict(x or {}))) for x in (saved, current))
-  for k in set(a) ^ set(b):
-    if (a if k in a else b)[k] not in (False, [], None, ''):
-      return False
-  return all(a[k] == b[k] for k in set(a) & set(b))
+  return not model_config_diff(saved, current)
+
+
+def _config_diff_text(saved: Mapping | None, current: Mapping | None, keys: list[str]) -> str:
+  """'hidden: checkpoint 64, this config 32; ...' (values cut short: one line)."""
+  a, b = dict(saved or {}), dict(current or {})
+  val = lambda d, k: f'{d[k]!r:.40}' if k in d else '(absent)'
+  text = '; '.join(f'{k}: checkpoint {val(a, k)}, this config {val(b, k)}' for k in keys[:4])
+  return text + (f' (+{len(keys) - 4} more)' if len(keys) > 4 else '')
 
 
 class MetricWriter:
@@ -479,10 +492,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   best_value = math.inf
   if latest.latest_step() is not None:
     saved = latest.restore_meta()
-    if not same_model_config(saved.get('config', {}).get('model'),
-                             config.to_dict().get('model')):
+    saved_model = (saved.get('config') or {}).get('model')
+    diff = model_config_diff(saved_model, config.to_dict().get('model'))
+    if diff:  # refuse: resuming would crash on shapes or silently mix two models
       raise checkpointing.CheckpointError(
-          f'{workdir} holds a run with a different model config; use a new --workdir')
+          f'{workdir} holds a run with a different model config (checkpoint '
+          f'{latest.directory} step {latest.latest_step()}; '
+          f'{_config_diff_text(saved_model, config.to_dict().get("model"), diff)}): '
+          'use a new --workdir, or the model config of that run to resume it')
     restored, _ = latest.restore(checkpointing.abstract_like(saved_part(state)))
     state = {**state, **restored}
     if best.latest_step() is not None:
@@ -630,12 +647,16 @@ def load_model(checkpoint_dir: str | os.PathLike, task: Task = IKGAT_TASK,
   if meta.get('task') != task.name:
     raise checkpointing.CheckpointError(f'{path} holds a {meta.get("task")!r} model, '
                                         f'not {task.name!r}')
-  rig = Rig.from_json(meta['rig'])
+  try:
+    rig = Rig.from_json(meta['rig'])
+    config = ml_collections.ConfigDict(meta['config'])
+  except Exception as e:  # valid JSON without a usable rig or config
+    raise checkpointing.CheckpointError(f'checkpoint {path} has unusable metadata (rig, config):'
+                                        f' {checkpointing.one_line(e)}') from e
   if expected_rig is not None and rig.joint_names != expected_rig.joint_names:
     raise checkpointing.CheckpointError(
         f'checkpoint {path} is for rig {rig.name!r} ({rig.num_joints} joints), not '
         f'{expected_rig.name!r} ({expected_rig.num_joints} joints)')
-  config = ml_collections.ConfigDict(meta['config'])
   model = task.build(config, rig, nnx.Rngs(0), None)
   graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
   tree, _ = ckpt.restore(checkpointing.abstract_like({'params': params, 'rest': rest}))

@@ -15,14 +15,39 @@ import pytest  # noqa: E402
 jax.config.update('jax_compilation_cache_dir', os.environ['JAX_COMPILATION_CACHE_DIR'])
 
 CMU_DIR = REPO.parent / 'shared' / 'data' / 'cmu'
+IN_CI = os.environ.get('CI', '').lower() in ('1', 'true', 'yes')
+
+
+def require_cmu() -> Path:
+  """../shared/data/cmu. Absent on a user's clone: skip with the reason. Absent in CI
+  (`CI=true`): fail, naming the folder, so the real-data tests cannot silently vanish."""
+  if not (CMU_DIR / '07_01.bvh').exists():
+    msg = f'CMU data not found at {CMU_DIR} (../shared/data/cmu beside the checkout)'
+    if IN_CI:
+      pytest.fail(f'{msg}; CI=true requires it', pytrace=False)
+    pytest.skip(msg)
+  return CMU_DIR
 
 
 @pytest.fixture(scope='session')
 def cmu_dir() -> Path:
-  """../shared/data/cmu, or skip: a user's fresh clone has no shared data beside it."""
-  if not (CMU_DIR / '07_01.bvh').exists():
-    pytest.skip(f'CMU data not found at {CMU_DIR} (only present beside the project checkout)')
-  return CMU_DIR
+  return require_cmu()
+
+
+def pytest_terminal_summary(terminalreporter):
+  """One line per skip reason with its count, so a green run shows what it did not test."""
+  skipped = terminalreporter.stats.get('skipped', [])
+  if not skipped:
+    terminalreporter.write_line('skipped: 0 tests')
+    return
+  reasons: dict[str, int] = {}
+  for rep in skipped:
+    reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+    reason = reason.removeprefix('Skipped: ')
+    reasons[reason] = reasons.get(reason, 0) + 1
+  terminalreporter.write_line(f'skipped: {len(skipped)} tests')
+  for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+    terminalreporter.write_line(f'  {n} x {reason}')
 
 
 def _quiet(msg: str) -> None:

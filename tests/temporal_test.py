@@ -152,11 +152,8 @@ def test_solver_clip_and_stream_filter_on_a_noisy_real_clip(cmu_dir):
   (FK from the filtered rotations) and lowers its jitter; `step`/`solve_stream` carry the state
   (together == the whole clip); `reset()` forgets it."""
   from ik_gat_jax import kinematics
-  from ik_gat_jax.evaluation import SHIPPED_IKGAT
   from ik_gat_jax.io import exports
   from ik_gat_jax.solver import IKSolver
-  if not SHIPPED_IKGAT.is_dir():
-    pytest.skip(f'shipped checkpoint {SHIPPED_IKGAT} not present')
   solver = IKSolver.from_checkpoint(temporal_filter=ONE_EURO, fps=30.0, block_size=16)
   assert solver.temporal_filter == ONE_EURO
   src = exports.read_bvh_clip(cmu_dir / '07_05.bvh', solver.rig, fps=30.0, max_frames=200)

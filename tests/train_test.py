@@ -1,6 +1,13 @@
 """The trainer on real CMU frames: a step lowers the loss, overfitting, checkpoints, resuming."""
 
 import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import chex
 import jax
@@ -68,21 +75,46 @@ def _interrupt_at(step_to_stop):
   return log
 
 
+def _latest_state(workdir, config, rig, ds):
+  """The full `checkpoints/latest` state (params, rest, optimizer state, step) and its step."""
+  _, template = train.init_state(train.IKGAT_TASK, config, rig, ds)
+  ckpt = checkpointing.Checkpointer(workdir / 'checkpoints' / 'latest', create=False)
+  state, meta = ckpt.restore(checkpointing.abstract_like(train.saved_part(template)))
+  return state, meta, ckpt.latest_step()
+
+
 def test_resume_equals_uninterrupted_and_checkpoint_round_trip(cmu_shards, tmp_path):
+  """Interrupted at step 4 and resumed = uninterrupted: the `latest` checkpoints of both runs, at
+  the same asserted step 6, hold the same parameters and optimizer state bit for bit (one
+  process, one machine: the same compiled step on the same inputs). The resumed run must
+  really restore (its log says so and it runs only steps 5 and 6): restarting from scratch
+  would also end equal, and a resume that dropped the optimizer state would not."""
   c = _config(cmu_shards, steps=6, log_every=1, eval_every=3, checkpoint_every=100)
   train.train_and_evaluate(c, tmp_path / 'straight', log=lambda m: None)
   with pytest.raises(KeyboardInterrupt):
     train.train_and_evaluate(c, tmp_path / 'resumed', log=_interrupt_at(4))
   run = json.loads((tmp_path / 'resumed' / 'run.json').read_text())
   assert run['status'] == 'interrupted' and run['step'] == 4
-  train.train_and_evaluate(c, tmp_path / 'resumed', log=lambda m: None)
+  lines = []
+  train.train_and_evaluate(c, tmp_path / 'resumed', log=lines.append)
+  assert any(m.startswith('resumed from') and 'at step 4' in m for m in lines), lines
+  steps_run = [int(m.split()[1].split('/')[0]) for m in lines if m.startswith('step ')]
+  assert steps_run and min(steps_run) == 5 and max(steps_run) == 6, steps_run
   assert json.loads((tmp_path / 'resumed' / 'run.json').read_text())['status'] == 'done'
+  ds = data.load_shards(cmu_shards, 'train')
+  sa, _, step_a = _latest_state(tmp_path / 'straight', c, ds.rig, ds)
+  sb, _, step_b = _latest_state(tmp_path / 'resumed', c, ds.rig, ds)
+  assert step_a == step_b == 6 and int(sa['step']) == int(sb['step']) == 6
+  for part in ('params', 'rest', 'opt_state'):
+    la, lb = jax.tree.leaves(sa[part]), jax.tree.leaves(sb[part])
+    assert jax.tree.structure(sa[part]) == jax.tree.structure(sb[part])
+    assert part == 'rest' or len(la) > 0
+    for x, y in zip(la, lb):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=part)
+  # The optimizer state moved (Adam moments are not all zero), so the comparison means something.
+  assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(sa['opt_state'])
+             if np.asarray(x).dtype.kind == 'f')
   a, meta_a = train.load_model(tmp_path / 'straight')
-  b, meta_b = train.load_model(tmp_path / 'resumed')
-  pa, pb = jax.tree.leaves(nnx.state(a, nnx.Param)), jax.tree.leaves(nnx.state(b, nnx.Param))
-  assert len(pa) == len(pb) > 0
-  for x, y in zip(pa, pb):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
   assert meta_a['rig']['name'] == 'cmu_body' and 'local_rot_err_deg' in meta_a['metrics']
   assert meta_a['provenance']['jax_version'] == jax.__version__
   # The restored model predicts what the metrics in its checkpoint say it does.
@@ -105,11 +137,6 @@ def test_checkpoint_errors_are_clear(cmu_shards, tmp_path):
 def test_ctrl_c_mid_run_saves_and_resumes(cmu_shards, tmp_path):
   """A real SIGINT to `experiments.train`: the step in flight finishes, a checkpoint is saved,
   the exit status is 130, and rerunning the same command resumes and finishes."""
-  import os
-  import signal
-  import subprocess
-  import sys
-  import time
   workdir = tmp_path / 'run'
   cmd = [sys.executable, '-m', 'experiments.train', f'--data={cmu_shards}',
          f'--workdir={workdir}', '--config=experiments/configs/test.py', '--steps=100000',
@@ -118,13 +145,26 @@ def test_ctrl_c_mid_run_saves_and_resumes(cmu_shards, tmp_path):
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   p = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                        text=True)
-  deadline = time.time() + 120
-  while time.time() < deadline:
-    line = p.stdout.readline()
-    if line.startswith('step 3/'):
-      break
+  # Lines arrive through a thread, so a silent child cannot block the test: it waits for
+  # 'step 3/' at most 180 s, then kills the child and fails with what it printed.
+  lines: queue.Queue = queue.Queue()
+  reader = threading.Thread(target=lambda: [lines.put(x) for x in p.stdout], daemon=True)
+  reader.start()
+  seen, deadline = [], time.time() + 180
+  while not any(x.startswith('step 3/') for x in seen):
+    try:
+      seen.append(lines.get(timeout=max(0.1, deadline - time.time())))
+    except queue.Empty:
+      p.kill()
+      pytest.fail('experiments.train printed no "step 3/" within 180 s:\n' + ''.join(seen)[-2000:])
   p.send_signal(signal.SIGINT)
-  out, _ = p.communicate(timeout=120)
+  try:
+    p.wait(timeout=120)
+  except subprocess.TimeoutExpired:
+    p.kill()
+    pytest.fail('experiments.train did not exit within 120 s of SIGINT')
+  reader.join(timeout=10)
+  out = ''.join(seen) + ''.join(lines.queue)
   assert p.returncode == 130, out[-2000:]
   run = json.loads((workdir / 'run.json').read_text())
   assert run['status'] == 'interrupted' and run['step'] >= 3

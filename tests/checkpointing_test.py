@@ -1,0 +1,248 @@
+"""Wrong checkpoints are refused with one line naming the path (issue I, item 5).
+
+Corrupt metadata, a truncated array file, a shape (or tree) mismatch on restore, and resuming a
+workdir with another model config each raise `checkpointing.CheckpointError` whose message is
+one line and names the checkpoint directory. Each failure is made twice where it is cheap: on a
+small pytree saved with `Checkpointer` (no data needed) and on a copy of the session's tiny
+trained run (`tiny_ikgat_run`, real CMU shards; copied so the fixture stays intact).
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments.configs import test as test_config
+from ik_gat_jax import checkpointing, train
+from ik_gat_jax.skeleton import Rig
+
+
+def _assert_refused(excinfo, path) -> str:
+  """One line, naming `path`; returns the message."""
+  msg = str(excinfo.value)
+  assert excinfo.type is checkpointing.CheckpointError
+  assert '\n' not in msg, msg
+  assert str(Path(path).absolute()) in msg, msg
+  assert len(msg) < 700, msg
+  return msg
+
+
+def _step_dir(ckpt_dir: Path) -> Path:
+  ckpt = checkpointing.Checkpointer(ckpt_dir, create=False)
+  step = ckpt.latest_step()
+  ckpt.close()
+  assert step is not None
+  return ckpt_dir / str(step)
+
+
+def _truncate_largest_array_file(step_dir: Path) -> Path:
+  """Cuts the largest file under the step's `state` item (orbax OCDBT / zarr data) in half."""
+  files = [Path(root) / f for root, _, names in os.walk(step_dir / 'state') for f in names]
+  largest = max(files, key=lambda p: p.stat().st_size)
+  data = largest.read_bytes()
+  assert len(data) > 1000, (largest, len(data))  # an array chunk, not a small metadata file
+  largest.write_bytes(data[:len(data) // 2])
+  return largest
+
+
+# ----------------------------------------------------------------------------------------------
+# A small pytree, saved directly (runs everywhere, no data).
+
+
+def _small_tree():
+  return {'w': jnp.arange(4096.0, dtype=jnp.float32).reshape(64, 64),
+          'b': jnp.zeros((3,), jnp.float32)}
+
+
+@pytest.fixture
+def small_ckpt(tmp_path) -> Path:
+  path = tmp_path / 'small'
+  ckpt = checkpointing.Checkpointer(path, max_to_keep=1)
+  ckpt.save(3, _small_tree(), {'note': 'test'})
+  ckpt.close()
+  return path
+
+
+def test_small_round_trip(small_ckpt):
+  """The baseline the failures below break: the same tree restores."""
+  state, meta = checkpointing.Checkpointer(small_ckpt, create=False).restore(
+      checkpointing.abstract_like(_small_tree()))
+  np.testing.assert_array_equal(np.asarray(state['w']), np.asarray(_small_tree()['w']))
+  assert meta['note'] == 'test' and meta['step'] == 3
+
+
+@pytest.mark.parametrize('garbage', [b'{not json', b'\x00\xff\xfe garbage', b'[1, 2, 3]', b''])
+def test_small_corrupt_metadata(small_ckpt, garbage):
+  (_step_dir(small_ckpt) / 'meta' / 'metadata').write_bytes(garbage)
+  ckpt = checkpointing.Checkpointer(small_ckpt, create=False)
+  with pytest.raises(checkpointing.CheckpointError) as e:
+    ckpt.restore_meta()
+  assert 'metadata' in _assert_refused(e, small_ckpt)
+  with pytest.raises(checkpointing.CheckpointError) as e:
+    ckpt.restore(checkpointing.abstract_like(_small_tree()))
+  _assert_refused(e, small_ckpt)
+
+
+def test_small_truncated_array_file(small_ckpt):
+  _truncate_largest_array_file(_step_dir(small_ckpt))
+  with pytest.raises(checkpointing.CheckpointError) as e:
+    checkpointing.Checkpointer(small_ckpt, create=False).restore(
+        checkpointing.abstract_like(_small_tree()))
+  msg = _assert_refused(e, small_ckpt)
+  assert 'cannot restore checkpoint' in msg and 'truncated' in msg
+
+
+@pytest.mark.parametrize('wanted, expect', [
+    ({'w': (64, 32), 'b': (3,)},
+     r'w has shape \(64, 64\) in the checkpoint, \(64, 32\) in the model'),
+    ({'w': (64, 64), 'b': (3,), 'extra': (2,)}, 'only in the model: extra'),
+])
+def test_small_shape_mismatch(small_ckpt, wanted, expect):
+  abstract = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in wanted.items()}
+  with pytest.raises(checkpointing.CheckpointError, match=expect) as e:
+    checkpointing.Checkpointer(small_ckpt, create=False).restore(abstract)
+  assert 'does not match the model being restored' in _assert_refused(e, small_ckpt)
+
+
+def test_one_line_keeps_the_innermost_cause():
+  try:
+    try:
+      raise ValueError('OUT_OF_RANGE: the real\nreason')
+    except ValueError as inner:
+      raise RuntimeError('wrapper\n' + 'x' * 1000) from inner
+  except RuntimeError as e:
+    text = checkpointing.one_line(e)
+  assert text == 'ValueError: OUT_OF_RANGE: the real reason'
+  assert len(checkpointing.one_line(RuntimeError('y' * 1000))) == 300
+
+
+# ----------------------------------------------------------------------------------------------
+# A copy of the tiny trained run (real CMU shards).
+
+
+@pytest.fixture
+def run_copy(tiny_ikgat_run, tmp_path) -> Path:
+  dst = tmp_path / 'run'
+  shutil.copytree(tiny_ikgat_run, dst)
+  return dst
+
+
+def test_trained_run_loads(run_copy):
+  """The baseline: the untouched copy loads."""
+  model, meta = train.load_model(run_copy)
+  assert meta['task'] == 'ikgat' and model.rig.name == 'cmu_body'
+
+
+def test_trained_corrupt_metadata(run_copy):
+  best = run_copy / 'checkpoints' / 'best'
+  (_step_dir(best) / 'meta' / 'metadata').write_text('{"format_version": 1, "task": ')
+  with pytest.raises(checkpointing.CheckpointError) as e:
+    train.load_model(run_copy)
+  assert 'cannot read checkpoint metadata' in _assert_refused(e, best)
+
+
+def test_trained_metadata_without_rig(run_copy):
+  """Valid JSON, but not what a checkpoint's meta holds."""
+  best = run_copy / 'checkpoints' / 'best'
+  path = _step_dir(best) / 'meta' / 'metadata'
+  meta = json.loads(path.read_text())
+  del meta['rig']
+  path.write_text(json.dumps(meta))
+  with pytest.raises(checkpointing.CheckpointError) as e:
+    train.load_model(run_copy)
+  assert 'unusable metadata' in _assert_refused(e, best)
+
+
+def test_trained_truncated_array_file(run_copy):
+  best = run_copy / 'checkpoints' / 'best'
+  _truncate_largest_array_file(_step_dir(best))
+  with pytest.raises(checkpointing.CheckpointError) as e:
+    train.load_model(run_copy)
+  msg = _assert_refused(e, best)
+  assert 'cannot restore checkpoint' in msg and 'truncated' in msg
+
+
+@pytest.mark.parametrize('override, expect', [
+    ({'hidden': 32}, r'has shape \(.*\) in the checkpoint, \(.*\) in the model'),  # d 64 -> 32
+    ({'size': 'small'}, r'only in the model: params\.backbone\.blocks\.2\.'),  # 2 -> 3 blocks
+])
+def test_trained_shape_mismatch_on_restore(run_copy, override, expect):
+  """The tiny run's parameters restored into a model of another size (as `load_model` does)."""
+  best = run_copy / 'checkpoints' / 'best'
+  ckpt = checkpointing.Checkpointer(best, create=False)
+  meta = ckpt.restore_meta()
+  config = ml_collections.ConfigDict(meta['config'])
+  config.model.update(override)
+  model = train.IKGAT_TASK.build(config, Rig.from_json(meta['rig']), nnx.Rngs(0), None)
+  _, params, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+  with pytest.raises(checkpointing.CheckpointError, match=expect) as e:
+    ckpt.restore(checkpointing.abstract_like({'params': params, 'rest': rest}))
+  assert 'does not match the model being restored' in _assert_refused(e, best)
+
+
+def test_trained_shape_mismatch_via_load_model(run_copy):
+  """A checkpoint whose meta says another size than its arrays: `load_model` refuses."""
+  best = run_copy / 'checkpoints' / 'best'
+  path = _step_dir(best) / 'meta' / 'metadata'
+  meta = json.loads(path.read_text())
+  meta['config']['model']['hidden'] = 32
+  path.write_text(json.dumps(meta))
+  with pytest.raises(checkpointing.CheckpointError, match='in the checkpoint') as e:
+    train.load_model(run_copy)
+  _assert_refused(e, best)
+
+
+def _resume_config(cmu_shards, **model_overrides):
+  c = test_config.get_config()
+  c.data = str(cmu_shards)
+  c.model.update(model_overrides)
+  return c
+
+
+def test_resume_with_a_different_model_config_is_refused(run_copy, cmu_shards):
+  latest = run_copy / 'checkpoints' / 'latest'
+  run_json = (run_copy / 'run.json').read_bytes()
+  step_before = checkpointing.Checkpointer(latest, create=False).latest_step()
+  with pytest.raises(checkpointing.CheckpointError) as e:
+    train.train_and_evaluate(_resume_config(cmu_shards, hidden=32), run_copy,
+                             log=lambda m: None)
+  msg = _assert_refused(e, latest)
+  assert str(run_copy) in msg and 'different model config' in msg
+  assert 'hidden: checkpoint None, this config 32' in msg  # the differing key, both values
+  # Refused before anything was written: no silent fresh start over the old run.
+  assert (run_copy / 'run.json').read_bytes() == run_json
+  assert checkpointing.Checkpointer(latest, create=False).all_steps() == [step_before]
+
+
+def test_resume_names_every_differing_key(run_copy, cmu_shards):
+  with pytest.raises(checkpointing.CheckpointError) as e:
+    train.train_and_evaluate(_resume_config(cmu_shards, hidden=32, num_layers=3), run_copy,
+                             log=lambda m: None)
+  msg = _assert_refused(e, run_copy / 'checkpoints' / 'latest')
+  assert 'hidden:' in msg and 'num_layers:' in msg
+
+
+def test_resume_from_a_truncated_checkpoint_is_refused(run_copy, cmu_shards):
+  latest = run_copy / 'checkpoints' / 'latest'
+  _truncate_largest_array_file(_step_dir(latest))
+  with pytest.raises(checkpointing.CheckpointError) as e:
+    train.train_and_evaluate(_resume_config(cmu_shards), run_copy, log=lambda m: None)
+  assert 'truncated' in _assert_refused(e, latest)
+
+
+def test_model_config_diff():
+  base = {'size': 'tiny', 'hidden': None, 'joint_mask': False}
+  assert train.model_config_diff(base, dict(base)) == []
+  assert train.model_config_diff(base, {**base, 'hidden': 32, 'size': 'small'}) == \
+      ['hidden', 'size']
+  # A field missing from an older checkpoint counts as off.
+  assert train.model_config_diff({'size': 'tiny'}, {'size': 'tiny', 'joint_mask': False}) == []
+  assert train.model_config_diff({'size': 'tiny'}, {'size': 'tiny', 'joint_mask': True}) == \
+      ['joint_mask']
