@@ -1,8 +1,10 @@
 """AMASS motion files + the user's own SMPL-family body model -> SMPL-22 training shards.
 
 The library behind `python -m data_prep.amass_to_shards` (DESIGN sections 3, 7 and 9). Shard
-writing, resampling, subjects, merging and the atomic swap are `data_prep.conversion`'s, shared
-with the BVH path. Library code: no flags; progress goes to a `log` callable (stderr by default).
+writing, subjects, merging and the atomic swap are `data_prep.conversion`'s, resampling and FK
+`ik_gat_jax.io.retarget`'s, shared with the BVH path; SMPL parameters <-> the rig and the AMASS
+world rotation are `ik_gat_jax.io.smpl`'s, shared with the solver's SMPL export. Library code:
+no flags; progress goes to a `log` callable (stderr by default).
 
 Choices written down:
 - Body model. An `.npz` with `v_template [V, 3]`, `shapedirs [V, 3, B]`, `J_regressor [Jm, V]`
@@ -19,13 +21,13 @@ Choices written down:
   posed joint `j` is at `a_j = a_parent + R_world_parent @ o_j`, the root at `a_0 = J_0`, and
   `trans` moves everything: `p_j = a_j + trans`. That is our FK with the root at `J_0 + trans`.
 - Up axis. The AMASS world is z up. The world (not the body model) is rotated by
-  `AMASS_TO_RIG` = -90 degrees about x (AMASS +z -> rig +y, AMASS -y -> rig +z):
+  `io.smpl.AMASS_TO_RIG` = -90 degrees about x (AMASS +z -> rig +y, AMASS -y -> rig +z):
   `R_root' = W @ R_root`, `p' = W @ (J_0 + trans)`; other local rotations and the offsets, already
   in the model's y-up frame, stay. Then `G'_j = W G_j` and `p'_j = W p_j` for every joint, and a
   body whose root rotation is AMASS's upright `Rx(+90 deg)` has the identity root in the rig.
-  `smpl_pose_from_local` / `smpl_trans_from_root` undo it (a pose in the rig's world -> AMASS).
+  `io.smpl.smpl_pose_from_local` / `smpl_trans_from_root` undo it (the rig's world -> AMASS).
 - Frame rates. `mocap_framerate` (or `mocap_frame_rate`), snapped to an integer within 0.01 %,
-  then `conversion.resample` (DESIGN section 7): integer ratios decimate (120 -> 30 keeps 0, 4,
+  then `retarget.resample` (DESIGN section 7): integer ratios decimate (120 -> 30 keeps 0, 4,
   8, ...), others slerp local rotations and interpolate the root position, FK again.
 - Splits. By AMASS sub-dataset: the first directory of a file's name (its path under the AMASS
   root) that the split file names, else the first directory. `data_prep/splits/
@@ -63,21 +65,21 @@ import zipfile
 from pathlib import Path
 from typing import Sequence
 
-import jax
 import numpy as np
 
 from data_prep import conversion
-from data_prep.conversion import ConversionError, Log, log_stderr
-from ik_gat_jax import rotations
+from data_prep.conversion import Log, log_stderr
 from ik_gat_jax import skeleton
+from ik_gat_jax.errors import ConversionError
+from ik_gat_jax.io import retarget
+from ik_gat_jax.io import smpl
+from ik_gat_jax.io.smpl import AMASS_TO_RIG, BODY_JOINTS
+from ik_gat_jax.provenance import file_sha256, git_commit
 
-BODY_JOINTS = len(skeleton.SMPL22_PARENTS)  # 22
 DEFAULT_SPLIT = conversion.SPLIT_DIR / 'amass_default.json'
 MODEL_KEYS = ('v_template', 'shapedirs', 'J_regressor', 'kintree_table')
 GENDERS = ('neutral', 'female', 'male')
 LBS_FRAMES = 64  # frames per file of the LBS joint-regression diagnostic (~1 ms each)
-# The AMASS world (z up) -> the smpl22 rig's (y up): -90 degrees about x.
-AMASS_TO_RIG = conversion.world_rotation('+z', '-y', (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))
 
 
 class NoMotion(ConversionError):
@@ -179,7 +181,7 @@ def load_body_model(path: str | os.PathLike) -> BodyModel:
     parents = parents_from_kintree(a['kintree_table'])
   except ConversionError as e:
     raise ConversionError(f'body model {path}: {e}') from None
-  model = BodyModel(path=str(path), sha256=conversion.file_sha256(path),
+  model = BodyModel(path=str(path), sha256=file_sha256(path),
                     v_template=a['v_template'].astype(np.float64),
                     shapedirs=a['shapedirs'].astype(np.float64),
                     J_regressor=a['J_regressor'].astype(np.float64), parents=parents,
@@ -296,21 +298,11 @@ def _check_motion(m: AmassMotion, path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# SMPL motion on the rig, and back.
-
-
-@jax.jit
-def _axis_angle_matrices(rotvecs: jax.Array) -> jax.Array:
-  return rotations.matrix_from_axis_angle(rotvecs)
-
-
-@jax.jit
-def _matrix_axis_angles(R: jax.Array) -> jax.Array:
-  return rotations.axis_angle_from_matrix(R)
+# SMPL motion on the rig, and the independent references it is checked against.
 
 
 def rig_motion(rotvecs: np.ndarray, trans: np.ndarray, rest_joints: np.ndarray,
-               W: np.ndarray = AMASS_TO_RIG) -> conversion.ReducedMotion:
+               W: np.ndarray = AMASS_TO_RIG) -> retarget.ReducedMotion:
   """SMPL body pose -> the smpl22 rig in the rig's world (module docstring), float64.
 
   Args:
@@ -318,55 +310,9 @@ def rig_motion(rotvecs: np.ndarray, trans: np.ndarray, rest_joints: np.ndarray,
     trans: `[T, 3]` AMASS translation. rest_joints: `[22, 3]` regressed rest joints (model frame).
     W: `[3, 3]` AMASS world -> rig world.
   """
-  local = conversion.chunked(_axis_angle_matrices, [rotvecs])[0]
-  local[:, 0] = W @ local[:, 0]
-  return conversion.ReducedMotion(local_rot=local, root_pos=(rest_joints[0] + trans) @ W.T,
-                                  offsets=rest_offsets(rest_joints))
-
-
-def smpl_pose_from_local(local_rot: np.ndarray, W: np.ndarray = AMASS_TO_RIG) -> np.ndarray:
-  """Rig local rotations -> SMPL-style axis-angle in AMASS's world (undoes `rig_motion`).
-
-  Args:
-    local_rot: `[..., 22, 3, 3]` smpl22 parent-relative rotations (root: rig world).
-    W: `[3, 3]` the AMASS -> rig world rotation that was applied.
-  Returns:
-    `[..., 66]` float64: root_orient (AMASS world) then the 21 body joints, radians.
-  """
-  R = np.array(local_rot, np.float64)
-  R[..., 0, :, :] = W.T @ R[..., 0, :, :]
-  flat = R.reshape(-1, BODY_JOINTS, 3, 3)
-  return conversion.chunked(_matrix_axis_angles, [flat])[0].reshape(R.shape[:-3] + (66,))
-
-
-def smpl_trans_from_root(root_pos: np.ndarray, rest_root: np.ndarray,
-                         W: np.ndarray = AMASS_TO_RIG) -> np.ndarray:
-  """`[..., 3]` rig-world root positions -> AMASS `trans [..., 3]` = `W^T p - J_0`.
-
-  `rest_root`: `[3]` the subject's rest root joint `J_0` (its offsets row 0 in the shards).
-  """
-  return np.asarray(root_pos, np.float64) @ W - np.asarray(rest_root, np.float64)
-
-
-def amass_params_from_rig(poses: np.ndarray, trans: np.ndarray, rest_root: np.ndarray,
-                          W: np.ndarray = AMASS_TO_RIG) -> tuple[np.ndarray, np.ndarray]:
-  """SMPL parameters written in the rig's world -> AMASS's world.
-
-  For the solver's SMPL export (`ik_gat_jax.io.exports.smpl_arrays`), whose root orientation
-  is in the rig's (y-up) world and `trans` = root position - rest root, both in that world.
-
-  Args:
-    poses: `[T, 66]` axis-angle, root orientation in the rig world. trans: `[T, 3]` rig world.
-    rest_root: `[3]` the subject's rest root joint `J_0` (model frame).
-    W: `[3, 3]` the AMASS -> rig world rotation that was applied.
-  Returns:
-    `(poses [T, 66], trans [T, 3])` float64 as in an AMASS file (only the root changes).
-  """
-  poses = np.array(poses, np.float64)
-  R_root = conversion.chunked(_axis_angle_matrices, [poses[:, :3]])[0]
-  poses[:, :3] = conversion.chunked(_matrix_axis_angles, [W.T @ R_root])[0]
-  rest_root = np.asarray(rest_root, np.float64)
-  return poses, (np.asarray(trans, np.float64) + rest_root) @ W - rest_root
+  return retarget.ReducedMotion(local_rot=smpl.local_from_smpl_pose(rotvecs, W),
+                                root_pos=(rest_joints[0] + trans) @ W.T,
+                                offsets=rest_offsets(rest_joints))
 
 
 def _rodrigues_np(rotvecs: np.ndarray) -> np.ndarray:
@@ -475,7 +421,7 @@ def load_amass_split(path: str | os.PathLike = DEFAULT_SPLIT) -> tuple[dict, str
   except (OSError, json.JSONDecodeError) as e:
     raise ConversionError(f'cannot read split {path}: {e}') from None
   names = {'type': 'array', 'items': {'type': 'string', 'minLength': 1}}
-  conversion.validate_json(doc, {
+  retarget.validate_json(doc, {
       'type': 'object', 'required': ['name', 'unknown', 'subdatasets'], 'properties': {
           'name': {'type': 'string', 'minLength': 1},
           'unknown': {'type': 'string', 'enum': ['train', 'val', 'test', 'refuse']},
@@ -536,22 +482,22 @@ def convert_file(file: str, path: Path, subject: str, sha256: str,
   betas = motion.betas[:n]
   rest = model.rest_joints(betas)
   reduced = rig_motion(motion.body_rotvecs(), motion.trans, rest[:BODY_JOINTS], W)
-  _, p = conversion.forward_kinematics_np(reduced, skeleton.SMPL22_PARENTS)
+  _, p = retarget.forward_kinematics_np(reduced, skeleton.SMPL22_PARENTS)
   reference = naive_joints_np(motion.body_rotvecs(), motion.trans, rest[:BODY_JOINTS],
                               skeleton.SMPL22_PARENTS, W)
   error = float(np.linalg.norm(p - reference, axis=-1).max())
-  if not error <= conversion.FK_TOL_M:
+  if not error <= retarget.FK_TOL_M:
     raise ConversionError(f'{path}: FK check failed: rig positions differ from the SMPL chain by '
-                          f'up to {error:.3g} m (limit {conversion.FK_TOL_M:g} m)')
+                          f'up to {error:.3g} m (limit {retarget.FK_TOL_M:g} m)')
   gap = None
   if model.weights is not None:  # a diagnostic (module docstring), on LBS_FRAMES spread frames
     idx = np.unique(np.linspace(0, motion.num_frames - 1, LBS_FRAMES).round().astype(int))
     some = dataclasses.replace(motion, poses=motion.poses[idx], trans=motion.trans[idx])
     gap = float(np.linalg.norm(p[idx] - lbs_regressed_joints_np(model, betas, some, W),
                                axis=-1).max())
-  rate = conversion.source_fps(1.0 / motion.fps)
-  out = conversion.resample(reduced, rate, fps)
-  G, p_out = conversion.forward_kinematics_np(out, skeleton.SMPL22_PARENTS)
+  rate = retarget.source_fps(1.0 / motion.fps)
+  out = retarget.resample(reduced, rate, fps)
+  G, p_out = retarget.forward_kinematics_np(out, skeleton.SMPL22_PARENTS)
   extra = {'gender': motion.gender, 'body_model': which, 'num_betas': n,
            'betas': [float(b) for b in betas], 'lbs_joint_gap_m': gap}
   return conversion.Clip(
@@ -667,5 +613,5 @@ def _run_record(input_path, models, num_betas, split, clips, skipped, refused, n
       'frames_added': sum(c.frames for c in clips),
       'fk_max_error_m': max(c.fk_max_error_m for c in clips),
       'lbs_joint_gap_max_m': max(gaps) if gaps else None,
-      'seconds': round(time.perf_counter() - started, 3), 'git_commit': conversion.git_commit(),
+      'seconds': round(time.perf_counter() - started, 3), 'git_commit': git_commit(),
       'time_utc': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}

@@ -38,6 +38,7 @@ from absl import flags  # noqa: E402
 
 from data_prep import amass  # noqa: E402
 from data_prep import conversion  # noqa: E402
+from ik_gat_jax.errors import ConversionError  # noqa: E402
 
 _INPUT = flags.DEFINE_string('input', None, 'AMASS root, a sub-dataset/subject directory, or '
                              'one AMASS .npz file.')
@@ -70,7 +71,7 @@ def main(argv):
         body_model_female=expand(_FEMALE.value), body_model_male=expand(_MALE.value),
         split=_SPLIT.value, fps=_FPS.value, num_betas=_NUM_BETAS.value,
         split_file=expand(_SPLIT_FILE.value), on_error=_ON_ERROR.value)
-  except (conversion.ConversionError, OSError) as e:
+  except (ConversionError, OSError) as e:
     raise SystemExit(f'amass_to_shards: error: {e}') from None
   run = summary['runs'][-1]
   gap = run.get('lbs_joint_gap_max_m')

@@ -8,8 +8,8 @@ Example (the CMU data: 88 files -> 27155 frames at 30 fps, about 15 s on 2 CPU c
 
     python -m data_prep.bvh_to_shards --input=../shared/data/cmu --rig=cmu_body --output=/tmp/cmu
 
-- `--rig=NAME` uses data_prep/joint_maps/NAME.json (its rig, units, axes, committed split);
-  `--rig=FILE.json` a joint map of your own (schema: data_prep/joint_maps/schema.json);
+- `--rig=NAME` uses ik_gat_jax/io/joint_maps/NAME.json (its rig, units, axes, committed split);
+  `--rig=FILE.json` a joint map of your own (schema: ik_gat_jax/io/joint_maps/schema.json);
   `--rig=auto` derives the rig from the files (needs --units) and writes it as DIR/rig.json.
 - `--split=auto` puts each file where the joint map's committed split (or --split_file) says and
   refuses files it does not list; `--split=NAME` puts every input file in split NAME.
@@ -29,11 +29,12 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 from data_prep import conversion  # noqa: E402
+from ik_gat_jax.errors import ConversionError  # noqa: E402
 from ik_gat_jax.io import bvh  # noqa: E402
 
 _INPUT = flags.DEFINE_string('input', None, 'A BVH file or a directory searched for *.bvh.')
-_RIG = flags.DEFINE_string('rig', None, 'Joint-map name (data_prep/joint_maps), joint-map JSON '
-                           'file, or "auto".')
+_RIG = flags.DEFINE_string('rig', None, 'Joint-map name (ik_gat_jax/io/joint_maps), joint-map '
+                           'JSON file, or "auto".')
 _OUTPUT = flags.DEFINE_string('output', None, 'Shard directory to create or add to.')
 _SPLIT = flags.DEFINE_enum('split', 'auto', ['auto', *conversion.SPLIT_NAMES],
                            'auto: the committed split; else every input file goes there.')
@@ -67,7 +68,7 @@ def main(argv):
         units=_UNITS.value, up=_UP.value, forward=_FORWARD.value, prune=_PRUNE.value,
         drop_first_frame=_DROP_FIRST.value, subject_regex=_SUBJECT_REGEX.value,
         split_file=_SPLIT_FILE.value, rig_name=_RIG_NAME.value, on_error=_ON_ERROR.value)
-  except (conversion.ConversionError, bvh.BVHError, OSError) as e:
+  except (ConversionError, bvh.BVHError, OSError) as e:
     raise SystemExit(f'bvh_to_shards: error: {e}') from None
   conversion.log_stderr(
       f'wrote {_OUTPUT.value}: rig {summary["rig"]}, {summary["fps"]:g} fps, files '

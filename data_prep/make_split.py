@@ -29,6 +29,7 @@ from absl import app
 from absl import flags
 
 from data_prep import conversion
+from ik_gat_jax.provenance import file_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = 'cmu_default'
@@ -46,7 +47,7 @@ def read_manifest(data: Path) -> list[dict]:
     rows = list(csv.DictReader(f, delimiter='\t'))
   for row in rows:
     path = data / row['file']
-    if path.exists() and conversion.file_sha256(path) != row['sha256']:
+    if path.exists() and file_sha256(path) != row['sha256']:
       raise ValueError(f'{path}: sha256 differs from MANIFEST.tsv')
   return rows
 

@@ -23,21 +23,22 @@ from absl import flags
 
 from data_prep import conversion
 from ik_gat_jax import skeleton
+from ik_gat_jax.io import retarget
 
 # Rig name -> (joint names, parents): the topology is fixed in code, the template is data.
 TOPOLOGIES = {'cmu_body': (skeleton.CMU_BODY_JOINTS, skeleton.CMU_BODY_PARENTS)}
 
 def subject_offsets(input_dir: str | os.PathLike, rig: str) -> dict[str, np.ndarray]:
   """Subject -> `[J, 3]` reduced rest offsets (metres), checked equal over the subject's files."""
-  jmap = conversion.load_joint_map(rig)
+  jmap = retarget.load_joint_map(rig)
   names, parents = TOPOLOGIES[rig]
-  W = conversion.world_rotation(jmap.up, jmap.forward, (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))
+  W = retarget.world_rotation(jmap.up, jmap.forward, (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))
   out: dict[str, np.ndarray] = {}
   for file, path in conversion.find_bvh_files(input_dir):
-    motion, _ = conversion.read_motion(path, jmap.drop_first_frame)
+    motion, _ = retarget.read_motion(path, jmap.drop_first_frame)
     motion = dataclasses.replace(motion, motion=motion.motion[:1])  # offsets need one frame
-    plan = conversion.plan_reduction(motion.names, motion.parents, jmap, names, parents)
-    offsets = conversion.reduce_motion(motion, plan, jmap.units, W).offsets
+    plan = retarget.plan_reduction(motion.names, motion.parents, jmap, names, parents)
+    offsets = retarget.reduce_motion(motion, plan, jmap.units, W).offsets
     subject = conversion.subject_of(file, jmap.subject_regex)
     if subject in out and np.abs(out[subject] - offsets).max() > conversion.SUBJECT_TOL_M:
       raise ValueError(f'{file}: rest offsets differ from subject {subject}\'s other files')

@@ -15,24 +15,21 @@ import numpy as np
 
 from ik_gat_jax import kinematics
 from ik_gat_jax import rotations
+from ik_gat_jax import skeleton
 from ik_gat_jax.skeleton import Rig
 
 
 def rest_bone_directions(offsets: jax.Array, rig: Rig) -> jax.Array:
   """`offsets: [..., J, 3]` (subject rest offsets) -> unit rest bone directions `[..., J, 3]`.
 
-  At rest every frame is the world frame, so the direction to the designated child is the
-  child's offset. A leaf inherits its parent's direction.
+  The jnp twin of `skeleton.rest_bone_directions_np` (traceable, any float dtype; a zero
+  offset gives a zero direction): the normalised rest offset of each joint's
+  `skeleton.rest_direction_joints`, +x where there is none.
   """
-  cols = []
-  for j, c in enumerate(rig.designated_children):
-    if c >= 0:
-      cols.append(rotations.normalize(offsets[..., c, :]))
-    elif rig.parents[j] >= 0:
-      cols.append(cols[rig.parents[j]])
-    else:
-      cols.append(jnp.broadcast_to(jnp.array([1.0, 0.0, 0.0], offsets.dtype), offsets.shape[:-2] + (3,)))
-  return jnp.stack(cols, axis=-2)
+  source = skeleton.rest_direction_joints(rig.parents, rig.designated_children)
+  d = rotations.normalize(offsets[..., np.array([max(s, 0) for s in source]), :])
+  none = np.array([s < 0 for s in source])[:, None]  # static
+  return jnp.where(none, jnp.array([1.0, 0.0, 0.0], d.dtype), d) if none.any() else d
 
 
 def bone_frames(offsets: jax.Array, rig: Rig) -> jax.Array:

@@ -16,6 +16,7 @@ Choices written down (DESIGN leaves them open):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -58,6 +59,17 @@ def leaves_of(parents: Sequence[int]) -> tuple[int, ...]:
   """Joints without children, in joint order (the joints that may carry an end site)."""
   kids = children_of(parents)
   return tuple(j for j in range(len(parents)) if not kids[j])
+
+
+def depth_first_order(parents: Sequence[int], root: int = 0) -> list[int]:
+  """`root` and every joint below it, depth-first, children in index order (BVH file order)."""
+  children = children_of(parents)
+  order, stack = [], [root]
+  while stack:
+    j = stack.pop()
+    order.append(j)
+    stack.extend(reversed(children[j]))
+  return order
 
 
 def num_descendants(parents: Sequence[int]) -> tuple[int, ...]:
@@ -213,7 +225,6 @@ class Rig:
 
   def fingerprint(self) -> str:
     """sha256 of the canonical JSON (for provenance)."""
-    import hashlib
     blob = json.dumps(self.to_json(), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -272,21 +283,28 @@ def choose_reference_axes(offsets: np.ndarray, parents: Sequence[int],
   return tuple('forward' if c > _COS45 else 'up' for c in cos_up)
 
 
+def rest_direction_joints(parents: Sequence[int],
+                          designated_children: Sequence[int]) -> tuple[int, ...]:
+  """Per joint, the joint whose rest offset points along its rest bone: its designated child
+  (at rest every frame is the world frame, so the direction to the child is the child's
+  offset); a leaf inherits its parent's; -1 for a root without a child (direction +x). The one
+  rule behind `rest_bone_directions_np` and `bone_frames.rest_bone_directions`."""
+  out: list[int] = []
+  for j, c in enumerate(designated_children):
+    out.append(c if c >= 0 else (out[parents[j]] if parents[j] >= 0 else -1))
+  return tuple(out)
+
+
 def rest_bone_directions_np(offsets: np.ndarray, parents: Sequence[int],
                             designated_children: Sequence[int]) -> np.ndarray:
-  """`[..., J, 3]` unit rest bone directions; a leaf inherits its parent's (root without a
-  child gets +x). Direction to the designated child = its rest offset (joint's frame is the
-  world frame at rest)."""
+  """`[..., J, 3]` unit rest bone directions (float64), by `rest_direction_joints`."""
   offsets = np.asarray(offsets, dtype=np.float64)
+  source = rest_direction_joints(parents, designated_children)
   d = np.zeros_like(offsets)
-  for j, c in enumerate(designated_children):
-    if c >= 0:
-      d[..., j, :] = offsets[..., c, :] / np.linalg.norm(offsets[..., c, :], axis=-1,
-                                                         keepdims=True)
-    elif parents[j] >= 0:
-      d[..., j, :] = d[..., parents[j], :]
-    else:
-      d[..., j, :] = (1.0, 0.0, 0.0)
+  d[..., 0] = 1.0  # +x where no joint gives a direction
+  has = [j for j, s in enumerate(source) if s >= 0]
+  o = offsets[..., [source[j] for j in has], :]
+  d[..., has, :] = o / np.linalg.norm(o, axis=-1, keepdims=True)
   return d
 
 

@@ -66,42 +66,28 @@ import numpy as np
 from flax import nnx
 
 from ik_gat_jax import bone_frames as bone_frames_lib
+from ik_gat_jax import iterative_ik
 from ik_gat_jax import kinematics
 from ik_gat_jax import temporal
 from ik_gat_jax.skeleton import Rig, RigError, get_rig, rest_positions_np
+from ik_gat_jax.errors import InputError  # noqa: F401  (also solver.InputError)
+from ik_gat_jax.io import exports
+from ik_gat_jax.io.units import UNITS, parse_units
 
 DEFAULT_BLOCK = 1024
 REFINE_LR = 0.003  # amortized + refine: the val sweep's best step (BENCHMARKS.md)
-UNITS = {'m': 1.0, 'cm': 0.01, 'mm': 0.001, 'inch': 0.0254, 'in': 0.0254}
 # Signed axis maps of common engines onto a right-handed, y-up, z-forward, x-left world (the
 # built-in rigs' world): Unity is y-up, z-forward, left-handed (x = the body's right);
 # Unreal is z-up, x-forward, y-right, left-handed (and in centimetres: --units=cm).
 AXIS_PRESETS = {'unity': '-x,y,z', 'unreal': '-y,z,x'}
 _UNIT_WARN_RATIO = 4.0  # median bone length this far from the template's: likely units problem
-
-
-class InputError(ValueError):
-  """Positions, offsets or files the solver cannot use, with the reason and the fix."""
+# The units a plausibility warning may name (the hint's candidates, in this order).
+_UNIT_LABELS = {'m': 'metres', 'cm': 'centimetres', 'mm': 'millimetres', 'inch': 'inches',
+                'in': 'inches'}
 
 
 # ----------------------------------------------------------------------------------------------
 # Units and axes.
-
-
-def parse_units(units: str | float | None) -> float:
-  """Metres per input unit: a number, or one of m, cm, mm, inch (in). None: metres."""
-  if units is None:
-    return 1.0
-  if isinstance(units, str) and units.strip().lower() in UNITS:
-    return UNITS[units.strip().lower()]
-  try:
-    value = float(units)
-  except (TypeError, ValueError):
-    raise InputError(f'--units must be metres per input unit (a number) or one of '
-                     f'{", ".join(UNITS)}; got {units!r}') from None
-  if not (math.isfinite(value) and value > 0):
-    raise InputError(f'--units must be a positive number of metres per unit, got {units!r}')
-  return value
 
 
 def parse_input_axes(spec: str | np.ndarray | None, rig: Rig | None = None) -> np.ndarray:
@@ -116,9 +102,18 @@ def parse_input_axes(spec: str | np.ndarray | None, rig: Rig | None = None) -> n
   if spec is None:
     return np.eye(3)
   if not isinstance(spec, str):
-    M = np.asarray(spec, np.float64)
-    if M.shape != (3, 3) or not np.allclose(np.abs(M @ M.T), np.eye(3), atol=1e-6):
-      raise InputError(f'input_axes must be a signed permutation matrix [3, 3], got {M}')
+    try:
+      M = np.asarray(spec, np.float64)
+    except (TypeError, ValueError):
+      raise InputError(f'input_axes must be a signed permutation matrix [3, 3] or a string like '
+                       f"'x,z,-y', got {spec!r:.80}") from None
+    # A preset's matrix on a rig whose axes are not the principal ones is a signed permutation
+    # in the rig's canonical frame (`_canonical_to_rig`, identity for the built-in rigs).
+    if M.shape != (3, 3) or not (_is_signed_permutation(M) or _is_signed_permutation(
+        _canonical_to_rig(rig).T @ M)):
+      got = np.round(M, 4).tolist() if M.shape == (3, 3) else f'shape {M.shape}'
+      raise InputError('input_axes must be a signed permutation matrix [3, 3] (one entry +-1 per '
+                       f'row and column, the rest 0), got {got}')
     return M
   key = spec.strip().lower()
   if key in AXIS_PRESETS:
@@ -133,6 +128,14 @@ def parse_input_axes(spec: str | np.ndarray | None, rig: Rig | None = None) -> n
   for row, p in enumerate(parts):
     M[row, 'xyz'.index(p[-1])] = -1.0 if p.startswith('-') else 1.0
   return M
+
+
+def _is_signed_permutation(M: np.ndarray) -> bool:
+  """One entry +-1 per row and column, the rest 0 (a rotation by other than a multiple of 90
+  degrees is orthogonal too, but not an axis map)."""
+  A = np.abs(M)
+  return bool(np.all(np.isclose(A, 0, atol=1e-6) | np.isclose(A, 1, atol=1e-6))
+              and np.allclose(A.sum(0), 1) and np.allclose(A.sum(1), 1))
 
 
 def _canonical_to_rig(rig: Rig | None) -> np.ndarray:
@@ -212,11 +215,9 @@ def length_ratio(lengths: np.ndarray, rig: Rig) -> float:
 def units_hint(ratio: float, scale: float) -> str:
   """The `--units` that would bring a length ratio to ~1, named when it is a known unit."""
   want = scale / ratio
-  name = min(UNITS, key=lambda k: abs(math.log(UNITS[k] / want)))
+  name = min(_UNIT_LABELS, key=lambda k: abs(math.log(UNITS[k] / want)))
   if abs(math.log(UNITS[name] / want)) < math.log(1.3):
-    label = {'m': 'metres', 'cm': 'centimetres', 'mm': 'millimetres',
-             'inch': 'inches', 'in': 'inches'}[name]
-    return f'looks like {label}: pass --units={name}'
+    return f'looks like {_UNIT_LABELS[name]}: pass --units={name}'
   return f'pass --units={want:.4g} (metres per input unit)'
 
 
@@ -358,7 +359,7 @@ class Solution:
 def bucket_sizes(block_size: int) -> tuple[int, ...]:
   """1, 2, 4, ... below `block_size`, then `block_size`."""
   if block_size < 1:
-    raise ValueError(f'block_size must be >= 1, got {block_size}')
+    raise InputError(f'block_size must be >= 1, got {block_size}')
   sizes = [1 << k for k in range(block_size.bit_length()) if (1 << k) < block_size]
   return tuple(sizes) + (block_size,)
 
@@ -388,7 +389,6 @@ def _make_forward(graphdef, rig: Rig, counter: list[int], refine=None):
 
 def _infer(graphdef, rig: Rig, refine, state, positions, offsets, B, sparse=None):
   """The network (+ the optional refinement): positions `[b, J, 3]` -> local `[b, J, 3, 3]`."""
-  from ik_gat_jax import iterative_ik
   from ik_gat_jax import train  # the one inference path (train.ikgat_infer); heavy import
   model = nnx.merge(graphdef, state)
   local = train.ikgat_infer(model, {'positions': positions, 'bone_frames': B[None],
@@ -462,7 +462,6 @@ class IKSolver:
     self._traces = [0]
     self.refine = None
     if refine_iters > 0:
-      from ik_gat_jax import iterative_ik
       self.refine = iterative_ik.SolverConfig(iters=int(refine_iters), lr=REFINE_LR, w_anchor=0.0)
     self._forward = _make_forward(graphdef, self.rig, self._traces, self.refine)
     self.supports_masks = bool(model.config.joint_mask)  # sparse inputs (issue G2)
@@ -498,6 +497,8 @@ class IKSolver:
     (module docstring).
     """
     from ik_gat_jax import checkpointing, train
+    if offsets is not None and offsets_from is not None:  # before the (slow) model load
+      raise InputError('give offsets or offsets_from, not both')
     if path is None:
       from ik_gat_jax.evaluation import SHIPPED_IKGAT
       if not Path(SHIPPED_IKGAT).is_dir():
@@ -509,9 +510,6 @@ class IKSolver:
       expected_rig = get_rig(expected_rig)
     model, meta = train.load_model(path, expected_rig=expected_rig)
     if offsets_from is not None:
-      if offsets is not None:
-        raise InputError('give offsets or offsets_from, not both')
-      from ik_gat_jax.io import exports
       offsets = exports.read_bvh_offsets(offsets_from, model.rig, joint_map=joint_map,
                                          units=bvh_units)
     return cls(model, meta, offsets=offsets, block_size=block_size, source=str(path),
@@ -720,7 +718,9 @@ class IKSolver:
     """
     pos, _ = check_positions(frame, self.rig, allow_missing=self.supports_masks)
     if pos.shape[0] != 1:
-      raise InputError(f'step takes one frame [{self.rig.num_joints}, 3], got {pos.shape[0]}')
+      raise InputError(f'step takes one frame [{self.rig.num_joints}, 3], got {pos.shape[0]} '
+                       f'frames {list(pos.shape)}; use solve() for a clip or solve_stream() '
+                       'for batches')
     sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
     off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
     subject = self._device_subject(off)

@@ -19,9 +19,11 @@ import pytest
 from scipy.spatial.transform import Rotation
 
 from data_prep import amass
-from data_prep import conversion
 from ik_gat_jax import data
 from ik_gat_jax import skeleton
+from ik_gat_jax.errors import ConversionError
+from ik_gat_jax.io import smpl as smpl_lib
+from ik_gat_jax.provenance import file_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 PARENTS24 = skeleton.SMPL22_PARENTS + (20, 21)  # SMPL: the hands hang from the wrists
@@ -176,7 +178,7 @@ def test_slerped_frames_hit_the_source_frames_they_land_on(converted):
   name = 'Transitions_mocap/mazen_c3d/walk_poses.npz'
   ds, row, sl = _clip(tmp / 'out', name)
   motion = amass.read_amass(tmp / 'amass' / name)
-  poses = amass.smpl_pose_from_local(np.asarray(ds.local_rot[sl]))
+  poses = smpl_lib.smpl_pose_from_local(np.asarray(ds.local_rot[sl]))
   assert geodesic_rad(poses[::3], motion.poses[::5, :66][:len(poses[::3])]).max() < 1e-5
   between = geodesic_rad(poses[1], motion.poses[1, :66]).max()
   assert between > 1e-4  # frame 1 is at source time 5/3: interpolated, not copied
@@ -185,7 +187,7 @@ def test_slerped_frames_hit_the_source_frames_they_land_on(converted):
 def test_up_axis_is_rotated_to_plus_y(converted):
   tmp, _, _ = converted
   W = Rotation.from_euler('x', -90, degrees=True).as_matrix()
-  np.testing.assert_allclose(amass.AMASS_TO_RIG, W, atol=1e-12)
+  np.testing.assert_allclose(smpl_lib.AMASS_TO_RIG, W, atol=1e-12)
   name = 'CMU/01/01_01_poses.npz'
   ds, row, sl = _clip(tmp / 'out', name)
   motion = amass.read_amass(tmp / 'amass' / name)
@@ -211,7 +213,7 @@ def test_splits_by_subdataset_and_subjects(converted):
   assert any('MyLab' in m and 'note' in m for m in messages)
   assert run['files_without_poses'] == ['CMU/01/shape.npz']
   assert summary['split_sources'] == {
-      'amass_default': conversion.file_sha256(amass.DEFAULT_SPLIT)}
+      'amass_default': file_sha256(amass.DEFAULT_SPLIT)}
   subjects = {s['name']: s['files'] for s in json.loads((tmp / 'out/subjects.json').read_text())}
   assert subjects['CMU/01'] == 2 and subjects['CMU/01~1'] == 1  # other betas: a variant
   assert rows['CMU/01/01_03_poses.npz']['subject'] == 'CMU/01~1'
@@ -254,10 +256,10 @@ def test_round_trip_through_the_shards(converted):
   for name, step in (('CMU/01/01_01_poses.npz', 4), ('CMU/02/02_01_poses.npz', 2)):
     ds, row, sl = _clip(tmp / 'out', name)
     motion = amass.read_amass(tmp / 'amass' / name)
-    poses = amass.smpl_pose_from_local(np.asarray(ds.local_rot[sl]))
+    poses = smpl_lib.smpl_pose_from_local(np.asarray(ds.local_rot[sl]))
     assert poses.shape == (row['frames'], 66)
     assert geodesic_rad(poses, motion.poses[::step, :66]).max() < 1e-5
-    trans = amass.smpl_trans_from_root(ds.positions[sl][:, 0], ds.offsets[row['subject_id']][0])
+    trans = smpl_lib.smpl_trans_from_root(ds.positions[sl][:, 0], ds.offsets[row['subject_id']][0])
     np.testing.assert_allclose(trans, motion.trans[::step], atol=1e-5)
 
 
@@ -266,25 +268,22 @@ def test_round_trip_in_float64():
   rotvecs = Rotation.random(7 * 22, random_state=4).as_rotvec().reshape(7, 22, 3)
   trans, rest = rng.normal(size=(7, 3)), rng.normal(size=(22, 3))
   reduced = amass.rig_motion(rotvecs, trans, rest)
-  back = amass.smpl_pose_from_local(reduced.local_rot)
+  back = smpl_lib.smpl_pose_from_local(reduced.local_rot)
   assert geodesic_rad(back, rotvecs).max() < 1e-9
-  np.testing.assert_allclose(amass.smpl_trans_from_root(reduced.root_pos, rest[0]), trans,
+  np.testing.assert_allclose(smpl_lib.smpl_trans_from_root(reduced.root_pos, rest[0]), trans,
                              atol=1e-12)
 
 
 def test_solver_smpl_export_round_trip(converted):
   """The solver's SMPL export (rig world) -> `amass_params_from_rig` -> the AMASS input."""
-  exports = pytest.importorskip('ik_gat_jax.io.exports')
-  if not hasattr(exports, 'smpl_pose_params'):
-    pytest.skip('ik_gat_jax.io.exports has no smpl_pose_params')
   tmp, _, _ = converted
   name = 'CMU/01/01_01_poses.npz'
   ds, row, sl = _clip(tmp / 'out', name)
   motion = amass.read_amass(tmp / 'amass' / name)
   offsets = ds.offsets[row['subject_id']]
-  poses_rig = exports.smpl_pose_params(np.asarray(ds.local_rot[sl]), skeleton.smpl22())
-  trans_rig = ds.positions[sl][:, 0] - offsets[0]  # what exports.smpl_arrays writes
-  poses, trans = amass.amass_params_from_rig(poses_rig, trans_rig, offsets[0])
+  poses_rig = smpl_lib.smpl_pose_params(np.asarray(ds.local_rot[sl]), skeleton.smpl22())
+  trans_rig = ds.positions[sl][:, 0] - offsets[0]  # what smpl_lib.smpl_arrays writes
+  poses, trans = smpl_lib.amass_params_from_rig(poses_rig, trans_rig, offsets[0])
   assert geodesic_rad(poses, motion.poses[::4, :66]).max() < 1e-5
   np.testing.assert_allclose(trans, motion.trans[::4], atol=1e-5)
 
@@ -296,7 +295,7 @@ def test_solver_smpl_export_round_trip(converted):
 @pytest.mark.parametrize('key', ['trans', 'betas', 'mocap_framerate'])
 def test_missing_field_names_the_file_and_key(tmp_path, key):
   path = make_motion(tmp_path / 'D' / 's' / 'x.npz', 4, 30.0, betas_of(0), 0, drop=(key,))
-  with pytest.raises(conversion.ConversionError, match=key) as e:
+  with pytest.raises(ConversionError, match=key) as e:
     amass.read_amass(path)
   assert str(path) in str(e.value) and '\n' not in str(e.value)
 
@@ -304,16 +303,16 @@ def test_missing_field_names_the_file_and_key(tmp_path, key):
 def test_body_model_refusals(tmp_path):
   pkl = tmp_path / 'SMPL_NEUTRAL.pkl'
   pkl.write_bytes(b'\x80\x04N.')
-  with pytest.raises(conversion.ConversionError, match=r'\.pkl.*chumpy.*npz'):
+  with pytest.raises(ConversionError, match=r'\.pkl.*chumpy.*npz'):
     amass.load_body_model(pkl)
   good = dict(np.load(make_body_model(tmp_path / 'm.npz')))
   np.savez(tmp_path / 'noreg.npz', **{k: v for k, v in good.items() if k != 'J_regressor'})
-  with pytest.raises(conversion.ConversionError, match='lacks J_regressor'):
+  with pytest.raises(ConversionError, match='lacks J_regressor'):
     amass.load_body_model(tmp_path / 'noreg.npz')
   kintree = good['kintree_table'].copy()
   kintree[0, 4] = 2  # left_knee under right_hip
   np.savez(tmp_path / 'bad.npz', **{**good, 'kintree_table': kintree})
-  with pytest.raises(conversion.ConversionError, match='left_knee.*not an SMPL'):
+  with pytest.raises(ConversionError, match='left_knee.*not an SMPL'):
     amass.load_body_model(tmp_path / 'bad.npz')
 
 
@@ -325,10 +324,10 @@ def test_gender_picks_its_model_and_families_must_match(tmp_path):
   s = amass.convert(path, neutral, tmp_path / 'o', body_model_female=female, log=quiet)
   row = json.loads((tmp_path / 'o' / 'files.json').read_text())[0]
   assert row['gender'] == row['body_model'] == 'female' and row['file'] == 'D/s/a.npz'
-  assert s['runs'][-1]['body_models']['female']['sha256'] == conversion.file_sha256(female)
+  assert s['runs'][-1]['body_models']['female']['sha256'] == file_sha256(female)
   smplh = make_body_model(tmp_path / 'h.npz', parents=PARENTS24 + (20,) * 14 + (21,) * 14)
   smplx = make_motion(tmp_path / 'x' / 'D' / 's' / 'x.npz', 8, 30.0, betas_of(0), 0, joints=55)
-  with pytest.raises(conversion.ConversionError, match=r'55 joints \(SMPL-X\).*52 \(SMPL\+H\)'):
+  with pytest.raises(ConversionError, match=r'55 joints \(SMPL-X\).*52 \(SMPL\+H\)'):
     amass.convert(smplx, smplh, tmp_path / 'o2', log=quiet)
 
 

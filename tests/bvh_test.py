@@ -1,7 +1,6 @@
 """Tests for ik_gat_jax.io.bvh: parsing, writing, errors, Euler matrices and the naive FK."""
 
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,7 +8,6 @@ from scipy.spatial.transform import Rotation
 
 from ik_gat_jax.io import bvh
 
-CMU_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "cmu"
 
 # A small valid file; the corrupt-file cases below edit it by (1-based) line number.
 BASE_LINES = [
@@ -332,10 +330,8 @@ def test_write_is_atomic_and_refuses_bad_motion(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["07_01.bvh", "09_01.bvh"])
-def test_cmu_round_trip(tmp_path, name):
-  source = CMU_DIR / name
-  if not source.exists():
-    pytest.skip(f"CMU data not found at {source} (../shared/data/cmu beside the repo)")
+def test_cmu_round_trip(tmp_path, name, cmu_dir):
+  source = cmu_dir / name
   m = bvh.read_bvh(source)
   assert len(m.joints) == 31 and m.motion.shape[1] == 96 and m.path == str(source)
   assert m.euler_order(0) == "ZYX" and m.position_channels(0) is not None

@@ -17,7 +17,10 @@ from data_prep import make_template
 from ik_gat_jax import data
 from ik_gat_jax import kinematics
 from ik_gat_jax import skeleton
+from ik_gat_jax.errors import ConversionError
 from ik_gat_jax.io import bvh
+from ik_gat_jax.io import retarget
+from ik_gat_jax.provenance import file_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 CMU_UNITS = 0.056444
@@ -71,14 +74,14 @@ def test_cmu_files_convert_with_tiny_fk_error_and_decimated_frames(two_cmu_files
 
 
 def test_cmu_reduction_folds_identity_joints_into_offsets(cmu_dir):
-  jmap = conversion.load_joint_map('cmu_body')
-  motion, _ = conversion.read_motion(cmu_dir / '07_01.bvh', drop_first_frame=True)
-  plan = conversion.plan_reduction(motion.names, motion.parents, jmap, skeleton.CMU_BODY_JOINTS,
-                                   skeleton.CMU_BODY_PARENTS)
+  jmap = retarget.load_joint_map('cmu_body')
+  motion, _ = retarget.read_motion(cmu_dir / '07_01.bvh', drop_first_frame=True)
+  plan = retarget.plan_reduction(motion.names, motion.parents, jmap, skeleton.CMU_BODY_JOINTS,
+                                 skeleton.CMU_BODY_PARENTS)
   folded = {plan.names[k]: [motion.names[j] for j in f] for k, f in enumerate(plan.folded) if f}
   assert folded == {'LeftUpLeg': ['LHipJoint'], 'RightUpLeg': ['RHipJoint'],
                     'LeftArm': ['LeftShoulder'], 'RightArm': ['RightShoulder']}
-  reduced = conversion.reduce_motion(motion, plan, CMU_UNITS, np.eye(3))
+  reduced = retarget.reduce_motion(motion, plan, CMU_UNITS, np.eye(3))
   rig = skeleton.cmu_body()
   np.testing.assert_allclose(reduced.offsets[rig.index('LeftArm')],
                              CMU_UNITS * motion.offsets[motion.names.index('LeftArm')])
@@ -126,21 +129,21 @@ def _chain(mid_channels: str, rows: list[str], tip_offset: str = '0 1 0') -> bvh
   return bvh.parse_bvh(text, 'chain.bvh')
 
 
-def _chain_map(*joints: str) -> conversion.JointMap:
-  return conversion.JointMap(joints=tuple((j, j) for j in joints), units=1.0, up='y',
-                             forward='z')
+def _chain_map(*joints: str) -> retarget.JointMap:
+  return retarget.JointMap(joints=tuple((j, j) for j in joints), units=1.0, up='y',
+                           forward='z')
 
 
 def test_removing_a_rotating_intermediate_is_refused():
   rows = ['0 0 0 0 0 0 0 0 0 0 0 0', '0 0 0 0 0 0 0 0 2 0 0 0', '0 0 0 0 0 0 0 0 0 0 0 0']
   motion = _chain('3 Zrotation Yrotation Xrotation', rows)
-  with pytest.raises(conversion.ConversionError, match=r'Mid is not in the rig but rotates '
+  with pytest.raises(ConversionError, match=r'Mid is not in the rig but rotates '
                      r'\(by 2 degrees in frame 1\)'):
-    conversion.convert_motion(motion, _chain_map('Root', 'Tip'), np.eye(3), 120.0)
+    retarget.convert_motion(motion, _chain_map('Root', 'Tip'), np.eye(3), 120.0)
   # Kept, it converts; identity, it is removed and its offset folds into Tip's.
-  conversion.convert_motion(motion, _chain_map('Root', 'Mid', 'Tip'), np.eye(3), 120.0)
+  retarget.convert_motion(motion, _chain_map('Root', 'Mid', 'Tip'), np.eye(3), 120.0)
   still = _chain('3 Zrotation Yrotation Xrotation', [rows[0]] * 3)
-  _, out, _, p, err = conversion.convert_motion(still, _chain_map('Root', 'Tip'), np.eye(3), 120.0)
+  _, out, _, p, err = retarget.convert_motion(still, _chain_map('Root', 'Tip'), np.eye(3), 120.0)
   np.testing.assert_allclose(out.offsets, [[0, 0, 0], [0, 2, 0]])
   assert err < 1e-12
 
@@ -149,20 +152,20 @@ def test_a_near_identity_joint_above_a_long_bone_fails_the_fk_check():
   # 0.0009 degrees is inside the removal tolerance, but over a 1 km bone it moves Tip by 1.6 cm.
   rows = ['0 0 0 0 0 0 0 0 0 0 0 0', '0 0 0 0 0 0 0 0 0.0009 0 0 0', '0 0 0 0 0 0 0 0 0 0 0 0']
   motion = _chain('3 Zrotation Yrotation Xrotation', rows, tip_offset='0 1000 0')
-  with pytest.raises(conversion.ConversionError, match='FK check failed'):
-    conversion.convert_motion(motion, _chain_map('Root', 'Tip'), np.eye(3), 120.0)
+  with pytest.raises(ConversionError, match='FK check failed'):
+    retarget.convert_motion(motion, _chain_map('Root', 'Tip'), np.eye(3), 120.0)
 
 
 def test_position_channels_on_a_non_root_fold_if_constant_and_refuse_if_moving():
   six = '6 Xposition Yposition Zposition Zrotation Yrotation Xrotation'
   constant = ['1 2 3 10 20 30 0 1.5 0 5 0 0 0 0 7'] * 3
   chain = _chain_map('Root', 'Mid', 'Tip')
-  _, out, _, _, err = conversion.convert_motion(_chain(six, constant), chain, np.eye(3), 120.0)
+  _, out, _, _, err = retarget.convert_motion(_chain(six, constant), chain, np.eye(3), 120.0)
   np.testing.assert_allclose(out.offsets[1], [0, 1.5, 0])  # the channel value, not the OFFSET
   assert err < 1e-12
   moving = constant[:2] + ['1 2 3 10 20 30 0 1.6 0 5 0 0 0 0 7']
-  with pytest.raises(conversion.ConversionError, match='Mid has position channels that move'):
-    conversion.convert_motion(_chain(six, moving), chain, np.eye(3), 120.0)
+  with pytest.raises(ConversionError, match='Mid has position channels that move'):
+    retarget.convert_motion(_chain(six, moving), chain, np.eye(3), 120.0)
 
 
 def test_joint_map_errors_name_the_problem():
@@ -172,55 +175,55 @@ def test_joint_map_errors_name_the_problem():
            (_chain_map('Mid', 'Tip'), None)]  # a mapped subtree below an unmapped root: fine
   for jmap, message in cases:
     if message is None:
-      conversion.plan_reduction(motion.names, motion.parents, jmap)
+      retarget.plan_reduction(motion.names, motion.parents, jmap)
     else:
-      with pytest.raises(conversion.ConversionError, match=message):
-        conversion.plan_reduction(motion.names, motion.parents, jmap)
-  with pytest.raises(conversion.ConversionError, match='its rig parent is Root'):
-    conversion.plan_reduction(motion.names, motion.parents, _chain_map('Root', 'Mid', 'Tip'),
-                              ('Root', 'Mid', 'Tip'), (-1, 0, 0))
+      with pytest.raises(ConversionError, match=message):
+        retarget.plan_reduction(motion.names, motion.parents, jmap)
+  with pytest.raises(ConversionError, match='its rig parent is Root'):
+    retarget.plan_reduction(motion.names, motion.parents, _chain_map('Root', 'Mid', 'Tip'),
+                            ('Root', 'Mid', 'Tip'), (-1, 0, 0))
 
 
 def test_joint_map_schema_validation():
-  doc = json.loads((conversion.JOINT_MAP_DIR / 'cmu_body.json').read_text())
-  conversion.joint_map_from_json(doc, 'cmu_body', conversion.JOINT_MAP_DIR)
+  doc = json.loads((retarget.JOINT_MAP_DIR / 'cmu_body.json').read_text())
+  retarget.joint_map_from_json(doc, 'cmu_body', retarget.JOINT_MAP_DIR)
   for change, message in [({'units': -1}, 'must be > 0'),
                           ({'up': 'w'}, "bad.up: 'w' does not match"),
                           ({'colour': 'red'}, "unknown field 'colour'"),
                           ({'prune': 'LThumb'}, 'bad.prune: expected array'),
                           ({'joints': {'Hips': 3}}, 'bad.joints.Hips: expected string')]:
-    with pytest.raises(conversion.ConversionError, match=message):
-      conversion.joint_map_from_json({**doc, **change}, 'bad', conversion.JOINT_MAP_DIR)
+    with pytest.raises(ConversionError, match=message):
+      retarget.joint_map_from_json({**doc, **change}, 'bad', retarget.JOINT_MAP_DIR)
   bad = {k: v for k, v in doc.items() if k != 'units'}
-  with pytest.raises(conversion.ConversionError, match='missing required units'):
-    conversion.joint_map_from_json(bad, 'bad', conversion.JOINT_MAP_DIR)
-  with pytest.raises(conversion.ConversionError, match='perpendicular'):
-    conversion.joint_map_from_json({**doc, 'forward': '-y'}, 'bad', conversion.JOINT_MAP_DIR)
+  with pytest.raises(ConversionError, match='missing required units'):
+    retarget.joint_map_from_json(bad, 'bad', retarget.JOINT_MAP_DIR)
+  with pytest.raises(ConversionError, match='perpendicular'):
+    retarget.joint_map_from_json({**doc, 'forward': '-y'}, 'bad', retarget.JOINT_MAP_DIR)
 
 
 # ----------------------------------------------------------------------------------------------
 # Resampling against hand-computed frames.
 
 
-def _two_joint_clip(T: int = 13) -> conversion.ReducedMotion:
+def _two_joint_clip(T: int = 13) -> retarget.ReducedMotion:
   t = np.arange(T, dtype=np.float64)
   root = Rotation.from_euler('y', 10.0 * t[:, None], degrees=True).as_matrix()  # uniform yaw
   child = Rotation.from_euler('x', 2.0 * t[:, None]**2, degrees=True).as_matrix()  # accelerating
   root_pos = np.stack([0.01 * t, 0.001 * t**2, np.zeros(T)], axis=1)
-  return conversion.ReducedMotion(local_rot=np.stack([root, child], axis=1), root_pos=root_pos,
-                                  offsets=np.array([[0.0, 0.0, 0.0], [0.0, 0.0, 0.3]]))
+  return retarget.ReducedMotion(local_rot=np.stack([root, child], axis=1), root_pos=root_pos,
+                                offsets=np.array([[0.0, 0.0, 0.0], [0.0, 0.0, 0.3]]))
 
 
 def test_decimation_keeps_every_fourth_frame():
   clip = _two_joint_clip()
-  out = conversion.resample(clip, 120.0, 30.0)
+  out = retarget.resample(clip, 120.0, 30.0)
   np.testing.assert_array_equal(out.local_rot, clip.local_rot[[0, 4, 8, 12]])
   np.testing.assert_array_equal(out.root_pos, clip.root_pos[[0, 4, 8, 12]])
 
 
 def test_slerp_resampling_120_to_50_matches_hand_computed_frames():
   clip = _two_joint_clip()
-  out = conversion.resample(clip, 120.0, 50.0)
+  out = retarget.resample(clip, 120.0, 50.0)
   s = np.array([0.0, 2.4, 4.8, 7.2, 9.6, 12.0])  # source frame of each 50 fps frame
   assert out.local_rot.shape == (6, 2, 3, 3)
   i0 = np.floor(s + 1e-9).astype(int)
@@ -233,14 +236,14 @@ def test_slerp_resampling_120_to_50_matches_hand_computed_frames():
   np.testing.assert_allclose(out.local_rot[:, 1], child, atol=1e-12)
   y = 0.001 * (i0**2 + f * (i1**2 - i0**2))
   np.testing.assert_allclose(out.root_pos, np.stack([0.01 * s, y, 0 * s], 1), atol=1e-12)
-  G, p = conversion.forward_kinematics_np(out, (-1, 0))  # FK again on the slerped rotations
+  G, p = retarget.forward_kinematics_np(out, (-1, 0))  # FK again on the slerped rotations
   np.testing.assert_allclose(p[:, 1], out.root_pos + root @ np.array([0.0, 0.0, 0.3]), atol=1e-12)
   np.testing.assert_allclose(G[:, 1], root @ child, atol=1e-12)
 
 
 def test_source_fps_snaps_rounded_frame_times():
-  assert conversion.source_fps(0.0083333) == 120.0
-  assert conversion.source_fps(1 / 59.94) == pytest.approx(59.94)
+  assert retarget.source_fps(0.0083333) == 120.0
+  assert retarget.source_fps(1 / 59.94) == pytest.approx(59.94)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,7 +255,7 @@ def test_split_file_hashes_match_the_data_and_the_rule(cmu_dir):
   files = {f['file']: f for f in split['files']}
   assert sorted(files) == sorted(p.name for p in cmu_dir.glob('*.bvh'))
   for name, entry in files.items():
-    assert conversion.file_sha256(cmu_dir / name) == entry['sha256'], name
+    assert file_sha256(cmu_dir / name) == entry['sha256'], name
   assert all(f['split'] == 'test' and f['part'] == 'unseen_subject'
              for f in files.values() if f['subject'] == make_split.UNSEEN_SUBJECT)
   others = {f['subject'] for f in files.values()} - {make_split.UNSEEN_SUBJECT}
@@ -291,7 +294,7 @@ def test_second_run_adds_files_and_keeps_ids(tmp_path, cmu_dir):
   # Re-running is a no-op; a refused run leaves the directory as it was.
   before = (out / 'summary.json').read_text()
   conversion.convert(tmp_path / 'in2', 'cmu_body', out, split='train', log=quiet)
-  with pytest.raises(conversion.ConversionError, match='30.0 fps shards'):
+  with pytest.raises(ConversionError, match='30.0 fps shards'):
     conversion.convert(cmu_dir / '07_03.bvh', 'cmu_body', out, fps=50.0, log=quiet)
   assert (out / 'summary.json').read_text() == before
   assert sorted(p.name for p in tmp_path.iterdir()) == ['in', 'in2', 'out']  # no temp dirs left
@@ -300,11 +303,11 @@ def test_second_run_adds_files_and_keeps_ids(tmp_path, cmu_dir):
 def test_auto_split_refuses_unlisted_and_changed_files(tmp_path, cmu_dir):
   text = (cmu_dir / '07_01.bvh').read_text()
   (tmp_path / '07_99.bvh').write_text(text)
-  with pytest.raises(conversion.ConversionError, match='07_99.bvh is not in split cmu_default; '
+  with pytest.raises(ConversionError, match='07_99.bvh is not in split cmu_default; '
                      'pass --split'):
     conversion.convert(tmp_path / '07_99.bvh', 'cmu_body', tmp_path / 'out', log=quiet)
   (tmp_path / '07_01.bvh').write_text(text.replace('Frame Time: .0083333', 'Frame Time: 0.01'))
-  with pytest.raises(conversion.ConversionError, match='the file changed'):
+  with pytest.raises(ConversionError, match='the file changed'):
     conversion.convert(tmp_path / '07_01.bvh', 'cmu_body', tmp_path / 'out', log=quiet)
   assert not (tmp_path / 'out').exists()
 

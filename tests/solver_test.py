@@ -9,12 +9,21 @@ import warnings
 
 import numpy as np
 import pytest
+from flax import nnx
 from scipy.spatial.transform import Rotation
 
+from experiments.configs import test as test_config
+import ik_gat_jax
+from ik_gat_jax import checkpointing
+from ik_gat_jax import evaluation
 from ik_gat_jax import rotations
 from ik_gat_jax import skeleton
+from ik_gat_jax import solver as solver_lib
+from ik_gat_jax import train
+from ik_gat_jax.checkpointing import CheckpointError
 from ik_gat_jax.io import bvh
 from ik_gat_jax.io import exports
+from ik_gat_jax.io import smpl as smpl_lib
 from ik_gat_jax.solver import IKSolver, InputError, bucket_sizes, parse_input_axes
 
 _CHECKPOINTS = {}
@@ -23,9 +32,6 @@ _CHECKPOINTS = {}
 def tiny_checkpoint(tmp_path_factory, rig_name: str = 'cmu_body'):
   """An untrained tiny IK-GAT for `rig_name`, saved as `train` saves one (built once)."""
   if rig_name not in _CHECKPOINTS:
-    from flax import nnx
-    from experiments.configs import test as test_config
-    from ik_gat_jax import checkpointing, train
     config = test_config.get_config()
     rig = skeleton.get_rig(rig_name)
     model = train.IKGAT_TASK.build(config, rig, nnx.Rngs(0), None)
@@ -260,7 +266,6 @@ def test_input_axes():
 
 
 def test_checkpoint_for_another_rig(tmp_path_factory, solver):
-  from ik_gat_jax.checkpointing import CheckpointError
   smpl_ckpt = tiny_checkpoint(tmp_path_factory, 'smpl22')
   with pytest.raises(CheckpointError, match="for rig 'smpl22' .*not 'cmu_body'"):
     IKSolver.from_checkpoint(smpl_ckpt, expected_rig='cmu_body')
@@ -270,8 +275,6 @@ def test_checkpoint_for_another_rig(tmp_path_factory, solver):
 
 
 def test_missing_shipped_default(monkeypatch, tmp_path):
-  from ik_gat_jax import evaluation
-  from ik_gat_jax.checkpointing import CheckpointError
   monkeypatch.setattr(evaluation, 'SHIPPED_IKGAT', tmp_path / 'nope')
   with pytest.raises(CheckpointError, match='shipped default .* does not exist yet'):
     IKSolver.from_checkpoint(None)
@@ -300,7 +303,6 @@ def test_long_clip_in_chunks_with_progress(tmp_path_factory, solver):
   small = IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory), block_size=8)
   pos = posed_clip(small.rig, small.offsets, T=21, scale=0.2)
   stream = io.StringIO()
-  import ik_gat_jax.solver as solver_lib
   bar = solver_lib._ProgressBar(21, True, stream)
   for k in (8, 16, 21):
     bar.update(k)
@@ -313,7 +315,7 @@ def test_long_clip_in_chunks_with_progress(tmp_path_factory, solver):
 def test_smpl_export(tmp_path_factory, tmp_path, solver):
   smpl = get_solver(tmp_path_factory, 'smpl22')
   sol = smpl.solve(posed_clip(smpl.rig, smpl.offsets, T=4), full=True)
-  arrays = exports.smpl_arrays(sol, smpl.rig, 30.0)
+  arrays = smpl_lib.smpl_arrays(sol, smpl.rig, 30.0)
   assert arrays['poses'].shape == (4, 66) and arrays['pose_body'].shape == (4, 63)
   R = np.asarray(rotations.matrix_from_axis_angle(arrays['poses'].reshape(4, 22, 3)))
   np.testing.assert_allclose(R, sol.local_rot, atol=1e-5)  # the round trip through our module
@@ -321,18 +323,17 @@ def test_smpl_export(tmp_path_factory, tmp_path, solver):
   np.testing.assert_allclose(R_scipy, sol.local_rot, atol=1e-5)
   np.testing.assert_allclose(arrays['trans'] + sol.offsets[0], sol.positions_fk[:, 0], atol=1e-6)
   # AMASS's z-up world: only the root orientation and trans change (rig = W @ amass).
-  from data_prep import amass
-  am = exports.smpl_arrays(sol, smpl.rig, 30.0, world='amass')
+  am = smpl_lib.smpl_arrays(sol, smpl.rig, 30.0, world='amass')
   np.testing.assert_allclose(am['pose_body'], arrays['pose_body'], atol=1e-6)
   R_root = Rotation.from_rotvec(am['root_orient']).as_matrix()
-  np.testing.assert_allclose(amass.AMASS_TO_RIG @ R_root, sol.local_rot[:, 0], atol=1e-5)
-  np.testing.assert_allclose((am['trans'] + sol.offsets[0]) @ amass.AMASS_TO_RIG.T,
+  np.testing.assert_allclose(smpl_lib.AMASS_TO_RIG @ R_root, sol.local_rot[:, 0], atol=1e-5)
+  np.testing.assert_allclose((am['trans'] + sol.offsets[0]) @ smpl_lib.AMASS_TO_RIG.T,
                              sol.positions_fk[:, 0], atol=1e-5)
   exports.write_smpl_npz(tmp_path / 'a.smpl.npz', sol, smpl.rig, 30.0)
   with np.load(tmp_path / 'a.smpl.npz') as z:
     assert z['poses'].shape == (4, 66)
   with pytest.raises(InputError, match='SMPL pose parameters need the smpl22 rig'):
-    exports.smpl_pose_params(np.zeros((1, 21, 3, 3)), solver.rig)
+    smpl_lib.smpl_pose_params(np.zeros((1, 21, 3, 3)), solver.rig)
 
 
 def test_latency_stats(solver):
@@ -341,7 +342,6 @@ def test_latency_stats(solver):
 
 
 def test_lazy_package_export():
-  import ik_gat_jax
   assert ik_gat_jax.IKSolver is IKSolver
 
 

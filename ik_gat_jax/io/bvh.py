@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ik_gat_jax import skeleton
+
 POSITION_CHANNELS = ("Xposition", "Yposition", "Zposition")
 ROTATION_CHANNELS = ("Xrotation", "Yrotation", "Zrotation")
 _CANONICAL = {c.lower(): c for c in POSITION_CHANNELS + ROTATION_CHANNELS}
@@ -494,13 +496,7 @@ def _check_writable_order(motion: BVHMotion) -> None:
   parents = motion.parents
   if not parents or parents[0] != -1 or any(p < 0 for p in parents[1:]):
     raise ValueError("BVH needs exactly one root, as joint 0")
-  order: list[int] = []
-  stack = [0]
-  while stack:
-    j = stack.pop()
-    order.append(j)
-    stack += reversed([c for c in range(len(parents)) if parents[c] == j])
-  if order != list(range(len(parents))):
+  if skeleton.depth_first_order(parents) != list(range(len(parents))):
     raise ValueError("joints are not in depth-first order; reorder before writing")
 
 

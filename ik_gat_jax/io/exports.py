@@ -6,7 +6,7 @@ Readers return positions `[T, J, 3]` in the rig's joint order:
 - csv: one frame per row, J x 3 columns (x, y, z per joint in rig order), comma, semicolon or
   whitespace separated; a header row is optional. A header whose fields all read `<joint>_<axis>`
   (or `<joint>.<axis>`) with the rig's joint names is used to reorder the columns.
-- BVH: joint positions by FK, reduced to the rig with `data_prep.conversion` (the file's own
+- BVH: joint positions by FK, reduced to the rig with `io.retarget` (the file's own
   rest offsets come along). A BVH that has every rig joint by name (e.g. one this module wrote)
   is reduced by name, extra subtrees pruned, in centimetres unless `units` says otherwise; any
   other BVH needs a joint map (`joint_map`, default: the rig's own, e.g. `cmu_body`).
@@ -21,12 +21,9 @@ refused unless `overwrite`):
   Xrotation` (R = Rz Ry Rx, degrees), End Sites at leaves along the leaf's rest direction (half
   the leaf's bone, at least 2 cm). Lengths in CENTIMETRES by default (`units='m'` for metres);
   Blender: File > Import > BVH with Scale 0.01 for centimetres (1.0 for metres), forward Z, up Y.
-- SMPL npz (rig `smpl22` only): `poses [T, 66]` axis-angle (radians) of the 22 local rotations
-  in SMPL joint order (root orientation first), `root_orient [T, 3]`, `pose_body [T, 63]`,
-  `trans [T, 3]` = root position - rest root position (metres), `mocap_framerate`, `world`.
-  These are SMPL pose parameters when the offsets are the body model's rest joints (SMPL's zero
-  pose is the rig's rest pose). The root orientation and `trans` are in the rig's y-up world
-  (the SMPL model's frame) by default, or in AMASS's z-up world with `world='amass'`.
+- SMPL npz (rig `smpl22` only): the fields of `io.smpl.smpl_arrays` (that module's docstring):
+  `poses [T, 66]` axis-angle of the 22 local rotations (root orientation first), `trans`, ...;
+  in the rig's y-up world (the SMPL model's frame) by default, or AMASS's with `world='amass'`.
 """
 
 from __future__ import annotations
@@ -48,9 +45,13 @@ import numpy as np
 
 from ik_gat_jax import bone_frames as bone_frames_lib
 from ik_gat_jax import rotations
+from ik_gat_jax.errors import ConversionError, InputError
 from ik_gat_jax.io import bvh
-from ik_gat_jax.skeleton import SMPL22_JOINTS, Rig
-from ik_gat_jax.solver import InputError
+from ik_gat_jax.io import retarget
+from ik_gat_jax.io import smpl
+from ik_gat_jax.io.smpl import check_smpl_rig  # noqa: F401  (solve.py: exports.check_smpl_rig)
+from ik_gat_jax.io.units import parse_units
+from ik_gat_jax.skeleton import Rig, depth_first_order
 
 BVH_UNITS = {'cm': 0.01, 'm': 1.0}  # metres per BVH unit the writer offers
 DEFAULT_BVH_UNITS = 'cm'
@@ -254,51 +255,38 @@ def _axis_name(v: Sequence[float]) -> str:
 
 def bvh_joint_map(motion: bvh.BVHMotion, rig: Rig, joint_map: str | None = None,
                   units: str | float | None = None):
-  """The `conversion.JointMap` that reduces `motion` to `rig`: `joint_map` if given; by name
+  """The `retarget.JointMap` that reduces `motion` to `rig`: `joint_map` if given; by name
   when the BVH's joints are exactly the rig's (a file this module wrote); else the rig's own
   joint map when the BVH has every joint it names (e.g. cgspeed CMU for cmu_body); else by
   name with the other subtrees pruned. `units` overrides the map's."""
-  from data_prep import conversion
-  scale = conversion.parse_units(units) if units is not None else None
+  scale = parse_units(units) if units is not None else None
   if joint_map is not None:
-    return conversion.load_joint_map(joint_map).with_overrides(units=scale)
+    return retarget.load_joint_map(joint_map).with_overrides(units=scale)
   names = set(motion.names)
   if names != set(rig.joint_names):
     try:
-      jmap = conversion.load_joint_map(rig.name)
-    except conversion.ConversionError:
+      jmap = retarget.load_joint_map(rig.name)
+    except ConversionError:
       jmap = None
     if jmap is not None and {s for s, _ in jmap.joints} | set(jmap.prune) <= names:
       return jmap.with_overrides(units=scale)
   if not set(rig.joint_names) <= names:
     raise InputError(f'BVH {motion.path} lacks joints {sorted(set(rig.joint_names) - names)[:6]}'
                      f' of rig {rig.name!r} and no joint map fits it: pass --joint_map=JSON '
-                     '(data_prep/joint_maps/schema.json)')
+                     '(ik_gat_jax/io/joint_maps/schema.json)')
   return _by_name_joint_map(motion, rig, scale)
 
 
 def _by_name_joint_map(motion: bvh.BVHMotion, rig: Rig, scale: float | None):
-  from data_prep import conversion
   index = {n: i for i, n in enumerate(motion.names)}
   keep = {index[n] for n in rig.joint_names}
-  live = lambda j: j in keep or _has_kept_below(j, motion.parents, keep)  # noqa: E731
+  live = lambda j: not keep.isdisjoint(depth_first_order(motion.parents, j))  # noqa: E731
   prune = [n for j, n in enumerate(motion.names)
            if not live(j) and motion.parents[j] >= 0 and live(motion.parents[j])]
-  return conversion.JointMap(
+  return retarget.JointMap(
       joints=tuple((n, n) for n in rig.joint_names), prune=tuple(prune),
       units=scale if scale is not None else BVH_UNITS[DEFAULT_BVH_UNITS],
       up=_axis_name(rig.up), forward=_axis_name(rig.forward), rig=rig.name, name='by name')
-
-
-def _has_kept_below(j: int, parents: Sequence[int], keep: set[int]) -> bool:
-  """Whether joint j has a kept joint strictly below it."""
-  for c in range(j + 1, len(parents)):
-    a = parents[c]
-    while a >= 0 and a != j:
-      a = parents[a]
-    if a == j and c in keep:
-      return True
-  return False
 
 
 def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = None,
@@ -306,7 +294,6 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
                   max_frames: int | None = None) -> PositionsFile:
   """A BVH's joint positions `[T, J, 3]` and rest offsets `[J, 3]`, reduced to `rig` (metres,
   rig axes, verified FK); at `fps` (default: the file's own rate, no resampling)."""
-  from data_prep import conversion
   motion = bvh.read_bvh(path)
   jmap = bvh_joint_map(motion, rig, joint_map, units)
   first = 1 if jmap.drop_first_frame else 0  # the joint map's T-pose frame (cgspeed CMU)
@@ -314,12 +301,12 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
   motion = dataclasses.replace(motion, motion=motion.motion[first:stop])
   if motion.num_frames < 1:
     raise InputError(f'{path}: no frames to solve')
-  W = conversion.world_rotation(jmap.up, jmap.forward, rig.up, rig.forward)
-  rate = conversion.source_fps(motion.frame_time)
-  _, out, G, p, _ = conversion.convert_motion(motion, jmap, W, fps or rate, rig.joint_names,
-                                              rig.parents)
+  W = retarget.world_rotation(jmap.up, jmap.forward, rig.up, rig.forward)
+  rate = retarget.source_fps(motion.frame_time)
+  _, out, G, p, _ = retarget.convert_motion(motion, jmap, W, fps or rate, rig.joint_names,
+                                            rig.parents)
   return PositionsFile(p, out.offsets, fps or rate, metres_rig=True,
-                       end_sites=conversion.end_sites_world(out, G, p, rig.parents))
+                       end_sites=retarget.end_sites_world(out, G, p, rig.parents))
 
 
 def read_bvh_offsets(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = None,
@@ -341,16 +328,6 @@ def solution_arrays(sol, rig: Rig, fps: float, extra: dict | None = None) -> dic
           'joint_names': np.asarray(rig.joint_names), 'parents': np.asarray(rig.parents),
           'fps': np.float32(fps), 'rig': np.asarray(json.dumps(rig.to_json())),
           **(extra or {})}
-
-
-def depth_first_order(parents: Sequence[int]) -> list[int]:
-  """Joint indices depth-first from the root, children in index order (BVH file order)."""
-  order, stack = [], [0]
-  while stack:
-    j = stack.pop()
-    order.append(j)
-    stack += reversed([c for c, p in enumerate(parents) if p == j])
-  return order
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -412,43 +389,7 @@ def write_solution_bvh(path: str | os.PathLike, sol, rig: Rig, fps: float,
   bvh.write_bvh(path, motion)
 
 
-def check_smpl_rig(rig: Rig) -> None:
-  """SMPL pose parameters exist only for the SMPL body topology: refuse any other rig."""
-  if tuple(rig.joint_names) != SMPL22_JOINTS:
-    raise InputError(f'SMPL pose parameters need the smpl22 rig (22 SMPL body joints); this '
-                     f'checkpoint is for {rig.name!r} ({rig.num_joints} joints): write .bvh or '
-                     '.npz instead')
-
-
-def smpl_pose_params(local_rot: np.ndarray, rig: Rig) -> np.ndarray:
-  """`[T, 22, 3, 3]` local rotations of the smpl22 rig -> axis-angle `[T, 66]` (radians), SMPL
-  joint order (root orientation first)."""
-  check_smpl_rig(rig)
-  aa = np.asarray(rotations.axis_angle_from_matrix(jnp.asarray(local_rot, jnp.float32)))
-  return aa.reshape(len(aa), 3 * rig.num_joints)
-
-
-SMPL_WORLDS = ('rig', 'amass')
-
-
-def smpl_arrays(sol, rig: Rig, fps: float, world: str = 'rig') -> dict:
-  """SMPL parameters of a `solver.Solution` (module docstring). `world`: 'rig' keeps the root
-  orientation and `trans` in the rig's y-up world (the SMPL model's own frame); 'amass' turns
-  them into AMASS's z-up world (`data_prep.amass.amass_params_from_rig`)."""
-  if world not in SMPL_WORLDS:
-    raise InputError(f'SMPL world must be one of {", ".join(SMPL_WORLDS)}, got {world!r}')
-  poses = smpl_pose_params(sol.local_rot, rig)
-  trans = sol.positions_fk[:, 0] - np.asarray(sol.offsets[0], np.float32)
-  if world == 'amass':
-    from data_prep import amass
-    poses, trans = amass.amass_params_from_rig(poses, trans, sol.offsets[0])
-  poses, trans = np.asarray(poses, np.float32), np.asarray(trans, np.float32)
-  return {'poses': poses, 'root_orient': poses[:, :3], 'pose_body': poses[:, 3:],
-          'trans': trans, 'mocap_framerate': np.float32(fps), 'world': np.asarray(world),
-          'joint_names': np.asarray(rig.joint_names),
-          'offsets': np.asarray(sol.offsets, np.float32)}
-
-
 def write_smpl_npz(path: str | os.PathLike, sol, rig: Rig, fps: float,
                    overwrite: bool = True, world: str = 'rig') -> None:
-  write_npz_atomic(path, smpl_arrays(sol, rig, fps, world), overwrite)
+  """`io.smpl.smpl_arrays` of a `solver.Solution`, written atomically."""
+  write_npz_atomic(path, smpl.smpl_arrays(sol, rig, fps, world), overwrite)
