@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from absl import flags
 
 from data_prep import conversion
 from ik_gat_jax import skeleton
+from ik_gat_jax.io import atomic
 from ik_gat_jax.io import retarget
 
 # Rig name -> (joint names, parents): the topology is fixed in code, the template is data.
@@ -63,11 +63,7 @@ def main(argv):
   FLAGS = flags.FLAGS
   rig = make_template_rig(FLAGS.input, FLAGS.rig)
   path = Path(FLAGS.output or skeleton.RIG_DIR / f'{FLAGS.rig}.json')
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')
-  with os.fdopen(fd, 'w') as f:
-    f.write(rig_json_text(rig))
-  os.chmod(tmp, 0o644)
-  os.replace(tmp, path)
+  atomic.write_text(path, rig_json_text(rig))
   print(f'wrote {path} (fingerprint {rig.fingerprint()})')
 
 

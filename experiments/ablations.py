@@ -19,17 +19,22 @@ affected.
 
 import dataclasses
 import json
-import os
+from pathlib import Path
 import re
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from absl import app, flags
+from flax import nnx
+import jax
+import numpy as np
 
 from experiments.common import fail_on_user_error
+from ik_gat_jax import data as data_lib
+from ik_gat_jax import evaluation, inference, input_pipeline, iterative_ik
+from ik_gat_jax.io import atomic
 
 _DATA = flags.DEFINE_string('data', None, 'Shard directory.')
 _ROOT = flags.DEFINE_string('root', 'runs/ablations', 'Directory of the runs and tables.')
@@ -127,12 +132,6 @@ def _status(workdir: Path) -> str:
     return 'pending'
 
 
-def _write_json(path: Path, obj) -> None:
-  tmp = path.with_suffix('.tmp')
-  tmp.write_text(json.dumps(obj, indent=1))
-  os.replace(tmp, path)
-
-
 def _selected(rows):
   only = set(_ONLY.value or [])
   return [r for r in rows if not only or r.name in only]
@@ -155,7 +154,7 @@ def train_all(root: Path, data: str, steps: int) -> None:
       continue
     print(f'[{i + 1}/{len(rows)}] {row.name}: {entry["command"]}', flush=True)
     entry['status'] = 'running'
-    _write_json(manifest_path, manifest)
+    atomic.write_json(manifest_path, manifest)
     t0 = time.time()
     log = open(root / f'{row.name}.log', 'a')
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -165,18 +164,16 @@ def train_all(root: Path, data: str, steps: int) -> None:
       proc.send_signal(signal.SIGINT)
       proc.wait()
       entry['status'] = 'interrupted'
-      _write_json(manifest_path, manifest)
+      atomic.write_json(manifest_path, manifest)
       raise
     entry['wall_seconds'] = entry.get('wall_seconds', 0.0) + time.time() - t0
     entry['status'] = 'done' if rc == 0 and _status(workdir) == 'done' else f'failed (rc {rc})'
-    _write_json(manifest_path, manifest)
+    atomic.write_json(manifest_path, manifest)
     print(f'  -> {entry["status"]} in {time.time() - t0:.0f} s', flush=True)
-  _write_json(manifest_path, manifest)
+  atomic.write_json(manifest_path, manifest)
 
 
 def _forward_fps(method, positions, offsets, batch: int = 1024, reps: int = 7) -> float:
-  import jax
-  import numpy as np
   pos, off = jax.device_put(positions[:batch]), jax.device_put(offsets[:batch])
   jax.block_until_ready(method.solve(pos, off))
   times = []
@@ -193,8 +190,6 @@ KEYS = ('local_rot_err_deg', 'root_rot_err_deg', 'twist_err_deg', 'swing_err_deg
 
 
 def report(root: Path, data_dir: str, split: str) -> None:
-  import numpy as np
-  from ik_gat_jax import data as data_lib, evaluation, input_pipeline
   data = data_lib.load_shards(data_dir, split)
   rig = data.rig
   manifest = json.loads((root / 'manifest.json').read_text())
@@ -202,7 +197,6 @@ def report(root: Path, data_dir: str, split: str) -> None:
   results = json.loads(results_path.read_text()) if results_path.exists() else {}
   idx = np.arange(len(data))
   batch = input_pipeline.gather_batch(data, idx[:1024])
-  from ik_gat_jax import iterative_ik
   for row in _selected(ROWS):
     workdir = root / row.name
     if _status(workdir) != 'done':
@@ -212,7 +206,7 @@ def report(root: Path, data_dir: str, split: str) -> None:
         method = evaluation.make_method('ikgat', rig, checkpoint=workdir)
         results[row.name]['flops_per_frame'] = iterative_ik.flops_per_frame(
             method.solve, np.asarray(batch['positions']), np.asarray(batch['offsets']))
-        _write_json(results_path, results)
+        atomic.write_json(results_path, results)
       continue
     method = evaluation.make_method('ikgat', rig, checkpoint=workdir)
     r = evaluation.evaluate(method, data, rig)
@@ -237,21 +231,17 @@ def report(root: Path, data_dir: str, split: str) -> None:
           for mm in NOISE_LEVELS_MM}
     print(f'{row.name}: local {r["local_rot_err_deg"]:.2f} deg, MPJPE {r["mpjpe_mm"]:.2f} mm, '
           f'{results[row.name]["forward_frames_per_s"]:,.0f} frames/s', flush=True)
-    _write_json(results_path, results)
+    atomic.write_json(results_path, results)
   (root / 'tables.md').write_text(tables_markdown(results))
   print(f'wrote {results_path} and {root / "tables.md"}')
 
 
 def _params(workdir: Path):
-  import jax
-  from flax import nnx
-  from ik_gat_jax import train
-  model, _ = train.load_model(workdir)
+  model, _ = inference.load_model(workdir)
   return jax.tree.leaves(nnx.state(model, nnx.Param))
 
 
 def _agg(rs: list[dict]) -> dict:
-  import numpy as np
   out = {k: float(np.mean([r[k] for r in rs])) for k in (*KEYS, 'forward_frames_per_s')}
   out['flops_per_frame'] = rs[0].get('flops_per_frame', float('nan'))
   out['std'] = float(np.std([r['local_rot_err_deg'] for r in rs], ddof=1)) if len(rs) > 1 else None
@@ -263,7 +253,6 @@ def _agg(rs: list[dict]) -> dict:
 def pooled_seed_std(groups: dict) -> tuple[float | None, int]:
   """Pooled standard deviation of the local error over every group with several seeds (a
   row's seeds differ only in initialisation, batch order and augmentation draws)."""
-  import numpy as np
   ss, dof = 0.0, 0
   for rs in groups.values():
     if len(rs) > 1:

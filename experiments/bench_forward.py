@@ -9,10 +9,13 @@ Prints median and p99 milliseconds per call and frames/s (compiled; every call w
 
 import time
 
-import numpy as np
 from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from experiments.common import fail_on_user_error
+from ik_gat_jax import bone_frames, inference
 
 _CKPT = flags.DEFINE_string('checkpoint', None, 'IK-GAT run or checkpoint (default: shipped).')
 _BATCHES = flags.DEFINE_list('batches', ['1', '64', '256'], 'Batch sizes.')
@@ -23,13 +26,10 @@ _CALLS = flags.DEFINE_integer('calls', 2000, 'Timed calls per batch size (batch 
 @fail_on_user_error
 def main(argv):
   del argv
-  import jax
-  import jax.numpy as jnp
-  from ik_gat_jax import bone_frames, evaluation, train
-  model, _ = train.load_model(_CKPT.value or evaluation.SHIPPED_IKGAT)
+  model, _ = inference.load_model(_CKPT.value or inference.SHIPPED_IKGAT)
   rig = model.rig
   B = bone_frames.bone_frames(jnp.asarray(rig.template(), jnp.float32), rig)[None]
-  forward = jax.jit(lambda p: train.ikgat_infer(model, {'positions': p, 'bone_frames': B}))
+  forward = jax.jit(lambda p: inference.ikgat_infer(model, {'positions': p, 'bone_frames': B}))
   rng = np.random.default_rng(0)
   print(f'IK-GAT ({model.config.size}) forward + local rotations, {jax.default_backend()}, '
         f'{len(jax.devices())} device(s)')

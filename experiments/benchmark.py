@@ -3,7 +3,7 @@
   python -m experiments.benchmark --output_dir=DIR [--checkpoints=DIR] [--prior=DIR] \
       [--data=DIR] [--split=test] [--quick|--smoke] [--max_frames=N] [--iters=N] [--no_bf16]
 
-Runs `ik_gat_jax.benchmark.run_suite` (its docstring lists the sections and what --smoke,
+Runs `experiments.benchmark_suite.run_suite` (its docstring lists the sections and what --smoke,
 --quick and the full default run) and writes DIR/benchmark.json, DIR/tables.md and PNG plots.
 --checkpoints holds IK-GAT runs or checkpoint directories (every size found is a point) and
 optionally a pose prior; missing ones fall back to the shipped checkpoints/, else those methods
@@ -19,6 +19,7 @@ import sys
 
 from absl import app, flags
 
+from experiments import benchmark_suite as benchmark
 from experiments.common import fail_on_user_error
 
 _OUTPUT = flags.DEFINE_string('output_dir', None, 'Where benchmark.json, tables.md, PNGs go.')
@@ -42,7 +43,6 @@ _REFINE = flags.DEFINE_list('refine_iters', [], 'Also IK-GAT + N refinement iter
 @fail_on_user_error
 def main(argv):
   del argv
-  from ik_gat_jax import benchmark
   if _QUICK.value and _SMOKE.value:
     raise ValueError('pass at most one of --quick and --smoke')
   mode = 'smoke' if _SMOKE.value else 'quick' if _QUICK.value else 'full'

@@ -9,10 +9,11 @@ template's over all joints (and which joint), and writes `rest_<subject>.png` pe
 import json
 from pathlib import Path
 
-import numpy as np
 from absl import app, flags
+import numpy as np
 
 from experiments.common import fail_on_user_error
+from ik_gat_jax import bone_frames, data, plots
 
 _DATA = flags.DEFINE_string('data', None, 'Shard directory.')
 _OUT = flags.DEFINE_string('output_dir', 'outputs/bone_frames', 'Where the PNGs go.')
@@ -26,7 +27,6 @@ def frame_angles_deg(B: np.ndarray, B_ref: np.ndarray) -> np.ndarray:
 
 
 def subject_report(data_dir) -> list[dict]:
-  from ik_gat_jax import bone_frames, data
   splits = data.available_splits(data_dir)
   ds = data.load_shards(data_dir, splits[0])
   B_t = bone_frames.bone_frames_np(ds.rig.template(), ds.rig)
@@ -42,7 +42,6 @@ def subject_report(data_dir) -> list[dict]:
 @fail_on_user_error
 def main(argv):
   del argv
-  from ik_gat_jax import data, plots
   rows = subject_report(_DATA.value)
   out = Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)

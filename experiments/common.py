@@ -3,6 +3,11 @@
 import functools
 import sys
 
+from absl import flags, logging
+
+from ik_gat_jax.errors import CheckpointError
+from ik_gat_jax.skeleton import RigError
+
 
 def fail_on_user_error(main):
   """Turns the library's input errors into a one-line message and exit status 2.
@@ -12,11 +17,8 @@ def fail_on_user_error(main):
 
   @functools.wraps(main)
   def wrapped(argv):
-    from absl import flags, logging
     if not flags.FLAGS['verbosity'].present:
       logging.set_verbosity(logging.WARNING)
-    from ik_gat_jax.checkpointing import CheckpointError
-    from ik_gat_jax.skeleton import RigError
     try:
       return main(argv)
     except (FileNotFoundError, CheckpointError, RigError, ValueError, KeyError) as e:

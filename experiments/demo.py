@@ -12,14 +12,18 @@
   skeleton for a few frames, and a short GIF, under --output_dir.
 """
 
-import dataclasses
-import tempfile
 from pathlib import Path
+import tempfile
 
-import numpy as np
 from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
 
+from data_prep import conversion
 from experiments.common import fail_on_user_error
+from ik_gat_jax import (bone_frames, checkpointing, data, evaluation, inference, iterative_ik,
+                        kinematics, prior_task, rotations, skeleton, solve)
 
 CMU_DIR = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'cmu'
 _INPUT = flags.DEFINE_string('input', None, 'A BVH clip (cmu_body joint map); default: CMU 07_05.')
@@ -30,19 +34,14 @@ _FRAMES = flags.DEFINE_integer('synthetic_frames', 240, 'Frames of generated mot
 
 def clip_dataset(bvh_path: Path, workdir: Path):
   """A one-clip shard directory (verified conversion) and its split 'all'."""
-  from data_prep import conversion
-  from ik_gat_jax import data
   conversion.convert(bvh_path, 'cmu_body', workdir, split='all', log=lambda m: None)
   return data.load_shards(workdir, 'all')
 
 
 def synthetic_dataset(n: int, seed: int = 0):
   """Motion decoded from the shipped prior along a smooth latent path, on the template body."""
-  import jax
-  import jax.numpy as jnp
-  from ik_gat_jax import bone_frames, data, evaluation, kinematics, prior_task, rotations, train
-  prior, _ = train.load_model(evaluation.SHIPPED_PRIOR, task=prior_task.PRIOR_TASK)
-  rig = prior_task_rig(evaluation.SHIPPED_PRIOR)
+  prior, _ = inference.load_model(inference.SHIPPED_PRIOR, task=prior_task.PRIOR_TASK)
+  rig = prior_task_rig(inference.SHIPPED_PRIOR)
   keys = jax.random.normal(jax.random.key(seed), (n // 60 + 2, prior.config.latent))
   t = np.linspace(0, len(keys) - 1.001, n)
   i, f = t.astype(int), (t % 1)[:, None]
@@ -63,13 +62,11 @@ def synthetic_dataset(n: int, seed: int = 0):
 
 
 def prior_task_rig(path):
-  from ik_gat_jax import checkpointing, skeleton
   meta = checkpointing.Checkpointer(path, create=False).restore_meta()
   return skeleton.Rig.from_json(meta['rig'])
 
 
 def compare(ds, iters: int) -> list[dict]:
-  from ik_gat_jax import evaluation, iterative_ik
   solver = iterative_ik.SolverConfig(iters=iters)
   methods = [('IK-GAT (base)', evaluation.make_method('ikgat', ds.rig)),
              (f'iterative + prior, {iters} it, cold',
@@ -100,7 +97,6 @@ def print_table(rows: list[dict]) -> None:
 @fail_on_user_error
 def main(argv):
   del argv
-  from ik_gat_jax import solve
   out = Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
   src = Path(_INPUT.value) if _INPUT.value else (CMU_DIR / '07_05.bvh')

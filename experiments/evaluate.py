@@ -23,13 +23,13 @@ config (none for the shipped one), the other methods to none; the other --filter
 single fields.
 """
 
-import json
-import os
 from pathlib import Path
 
 from absl import app, flags
 
 from experiments.common import fail_on_user_error
+from ik_gat_jax import data, evaluation, iterative_ik, provenance, temporal
+from ik_gat_jax.io import atomic
 
 _DATA = flags.DEFINE_string('data', None, 'Shard directory.')
 _SPLIT = flags.DEFINE_string('split', 'test', 'Split to evaluate.')
@@ -71,7 +71,6 @@ _FILTER_D_CUTOFF = flags.DEFINE_float('filter_d_cutoff', None, 'One-Euro velocit
 
 
 def solver_config():
-  from ik_gat_jax import iterative_ik
   overrides = {'iters': _ITERS.value, 'init_root': _INIT_ROOT.value,
                'optimizer': _OPTIMIZER.value, 'warm_iters': _WARM_ITERS.value,
                'window': _WINDOW.value, 'lr': _LR.value, 'w_z': _W_Z.value}
@@ -79,7 +78,6 @@ def solver_config():
 
 
 def refine_config():
-  from ik_gat_jax import iterative_ik
   if _REFINE.value <= 0:
     return None
   if _METHOD.value != 'ikgat':
@@ -90,7 +88,6 @@ def refine_config():
 
 def temporal_filter(method_info: dict):
   """The method's default filter (an ikgat checkpoint's `temporal` config) under the flags."""
-  from ik_gat_jax import temporal
   base = temporal.FilterConfig(**method_info.get('temporal', {}))
   return temporal.with_overrides(base, _FILTER.value, _FILTER_MIN_CUTOFF.value,
                                  _FILTER_BETA.value, _FILTER_D_CUTOFF.value)
@@ -99,7 +96,6 @@ def temporal_filter(method_info: dict):
 @fail_on_user_error
 def main(argv):
   del argv
-  from ik_gat_jax import data, evaluation, provenance
   out = Path(_OUTPUT.value)
   if out.parent and not out.parent.exists():
     raise FileNotFoundError(f'output directory {out.parent} does not exist')
@@ -118,9 +114,7 @@ def main(argv):
                                    end_sites=_END_SITES.value))
   result['command'] = provenance.command_line()
   print(evaluation.markdown_table(result))
-  tmp = out.with_name(out.name + '.tmp')
-  tmp.write_text(json.dumps(result, indent=1))
-  os.replace(tmp, out)
+  atomic.write_json(out, result)
   print(f'wrote {out}')
 
 

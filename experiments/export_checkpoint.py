@@ -11,14 +11,15 @@ acknowledgment.
 
 import json
 import os
+from pathlib import Path
 import re
 import shutil
 import tempfile
-from pathlib import Path
 
 from absl import app, flags
 
 from experiments.common import fail_on_user_error
+from ik_gat_jax import checkpointing
 
 _RUN = flags.DEFINE_string('run', None, 'Run directory (with checkpoints/best).')
 _OUT = flags.DEFINE_string('output', None, 'Destination, e.g. checkpoints/ikgat_base.')
@@ -66,7 +67,6 @@ def card(meta: dict, test: dict | None, size_bytes: int) -> str:
 @fail_on_user_error
 def main(argv):
   del argv
-  from ik_gat_jax import checkpointing
   src = Path(_RUN.value) / 'checkpoints' / 'best'
   ckpt = checkpointing.Checkpointer(src, create=False)
   meta = ckpt.restore_meta()

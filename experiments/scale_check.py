@@ -4,7 +4,8 @@ hosts read disjoint slices, and the prefetched memory-mapped loader covers each 
   python -m experiments.scale_check --data=DIR --cpu_devices=8 [--steps=20] [--json=out.json]
 
 --cpu_devices=N simulates N CPU devices (it sets JAX_PLATFORMS=cpu and
-XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts); without it the check
+XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts its backend: importing
+JAX does not, the first `jax.devices()` does); without it the check
 uses the machine's own devices (e.g. all GPUs of a host). Three runs of the test config (tiny
 model, dropout and augmentation on, batch 32) on the train split of DIR:
   all:     N devices for --steps steps (interrupted half way and resumed on N devices);
@@ -21,17 +22,23 @@ each process reading its own rows of every batch; its curve must match too (abou
 
 import json
 import os
+from pathlib import Path
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
+from absl import app, flags, logging
+import jax
 import ml_collections
 import numpy as np
-from absl import app, flags
+
+from experiments.configs import test as test_config
+from ik_gat_jax import checkpointing, data, inference
+from ik_gat_jax import input_pipeline as ip
+from ik_gat_jax import train
 
 _DATA = flags.DEFINE_string('data', None, 'Shard directory with a train split.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 0, 'Simulate this many CPU devices (0: the '
@@ -50,7 +57,6 @@ RTOL = 1e-4
 def check_process_slices(dataset, batch_size: int, seed: int, processes: int = 2,
                          steps: int = 3) -> dict:
   """Simulated hosts read disjoint rows whose concatenation is the global batch, every step."""
-  from ik_gat_jax import input_pipeline as ip
   ok = True
   for step in range(steps):
     full = ip.batch_indices(step, batch_size, len(dataset), seed)
@@ -66,7 +72,6 @@ def check_process_slices(dataset, batch_size: int, seed: int, processes: int = 2
 
 def check_epoch_once(dataset, batch_size: int, seed: int) -> dict:
   """The prefetched loader yields each frame exactly once per epoch, in the stateless order."""
-  from ik_gat_jax import input_pipeline as ip
   n = len(dataset)
   steps = -(-n // batch_size)
   with ip.Prefetcher(ip.host_batches(dataset, batch_size, seed, 0, steps), depth=3) as batches:
@@ -90,7 +95,6 @@ def _losses(workdir: Path) -> dict[int, float]:
 def check_indivisible_batch(config, mesh, workdir: Path) -> str:
   """The error a batch that does not split over the devices gets (before any work; '' if
   there is none, as on one device)."""
-  from ik_gat_jax import train
   bad = ml_collections.ConfigDict(config.to_dict())
   bad.train.batch_size = mesh.size * 4 + 2
   try:
@@ -108,7 +112,6 @@ def _stop_at(step: int):
 
 
 def _train(config, workdir: Path, mesh, stop_at: int | None = None) -> None:
-  from ik_gat_jax import train
   log = _stop_at(stop_at) if stop_at else (lambda msg: None)
   try:
     train.train_and_evaluate(config, workdir, log=log, mesh=mesh)
@@ -118,10 +121,8 @@ def _train(config, workdir: Path, mesh, stop_at: int | None = None) -> None:
 
 def check_restore(config, checkpoint_dir: Path, meshes: dict) -> dict:
   """Restores one checkpoint onto each mesh; the arrays must be identical and on that mesh."""
-  import jax
-  from ik_gat_jax import checkpointing, data, train
   ds = data.load_shards(config.data, 'train')
-  _, state = train.init_state(train.IKGAT_TASK, config, ds.rig, ds)
+  _, state = train.init_state(inference.IKGAT_TASK, config, ds.rig, ds)
   ckpt = checkpointing.Checkpointer(checkpoint_dir, create=False)
   trees, devices = {}, {}
   for name, mesh in meshes.items():
@@ -144,7 +145,6 @@ def _compare(a: dict, b: dict) -> float:
 
 
 def _config(data_dir: str, steps: int):
-  from experiments.configs import test as test_config
   c = test_config.get_config()
   c.data = data_dir
   c.train.update(steps=steps, batch_size=32, log_every=1, eval_every=steps,
@@ -183,8 +183,6 @@ def run_processes(data_dir: str, workdir: Path, steps: int, processes: int, devi
 
 def run_check(data_dir: str, workdir: Path, steps: int, processes: int = 1) -> dict:
   """Every check; returns the JSON-able result (see the module docstring)."""
-  import jax
-  from ik_gat_jax import data, train
   c = _config(data_dir, steps)
   t0 = time.time()
   ds = data.load_shards(data_dir, 'train')
@@ -239,10 +237,8 @@ def main(argv):
   del argv
   if _CPU_DEVICES.value:
     _simulate_cpu_devices(_CPU_DEVICES.value)
-  from absl import logging
   logging.set_verbosity(logging.WARNING)  # orbax's per-save INFO lines
   if _WORKER.value:
-    from ik_gat_jax import train
     train.initialize_distributed('on')
     _train(_config(_DATA.value, _STEPS.value), Path(_WORKDIR.value) / 'multi', train.make_mesh())
     return

@@ -9,14 +9,13 @@ no-prior solver, cold start with the analytic root, and writes a markdown table 
 it) of val local-rotation error and MPJPE per setting, best first.
 """
 
-import dataclasses
-import json
-import os
 from pathlib import Path
 
 from absl import app, flags
 
 from experiments.common import fail_on_user_error
+from ik_gat_jax import data, evaluation, iterative_ik
+from ik_gat_jax.io import atomic
 
 _DATA = flags.DEFINE_string('data', None, 'Shard directory.')
 _PRIOR = flags.DEFINE_string('prior', None, 'Pose-prior run directory.')
@@ -31,7 +30,6 @@ _OUT = flags.DEFINE_string('output', 'outputs/sweep_iterative.md', 'Markdown tab
 @fail_on_user_error
 def main(argv):
   del argv
-  from ik_gat_jax import data, evaluation, iterative_ik
   ds = data.load_shards(_DATA.value, _SPLIT.value)
   rows = []
   grid = [('iterative_noprior', float(lr), None) for lr in _LRS.value]
@@ -54,10 +52,8 @@ def main(argv):
             f"{r['local_rot_err_deg']:.2f} | {r['mpjpe_mm']:.2f} |" for r in rows]
   out = Path(_OUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)
-  tmp = out.with_name(out.name + '.tmp')
-  tmp.write_text('\n'.join(lines) + '\n')
-  os.replace(tmp, out)
-  out.with_suffix('.json').write_text(json.dumps(rows, indent=1))
+  atomic.write_text(out, '\n'.join(lines) + '\n')
+  atomic.write_json(out.with_suffix('.json'), rows)
   print('\n'.join(lines))
 
 

@@ -17,6 +17,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments.common import fail_on_user_error
+from ik_gat_jax import train
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'experiments/configs/default.py',
                                           'Training config file.', lock_config=False)
@@ -32,7 +33,6 @@ _DISTRIBUTED = flags.DEFINE_bool(
 @fail_on_user_error
 def main(argv):
   del argv
-  from ik_gat_jax import train
   train.initialize_distributed({None: 'auto', True: 'on', False: 'off'}[_DISTRIBUTED.value])
   config = _CONFIG.value
   config.data = _DATA.value

@@ -8,13 +8,14 @@ active latent dimensions and sample realism, printed and in WORKDIR/prior_report
 """
 
 import json
-import sys
 from pathlib import Path
+import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
 from experiments.common import fail_on_user_error
+from ik_gat_jax import data, inference, prior_task, train
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'experiments/configs/prior.py',
                                           'Prior config file.', lock_config=False)
@@ -26,7 +27,6 @@ _STEPS = flags.DEFINE_integer('steps', None, 'Training steps (overrides the conf
 @fail_on_user_error
 def main(argv):
   del argv
-  from ik_gat_jax import data, prior_task, train
   config = _CONFIG.value
   config.data = _DATA.value
   if _STEPS.value is not None:
@@ -38,7 +38,7 @@ def main(argv):
     train.train_and_evaluate(config, _WORKDIR.value, task=prior_task.PRIOR_TASK)
   except KeyboardInterrupt:
     sys.exit(130)
-  model, meta = train.load_model(_WORKDIR.value, task=prior_task.PRIOR_TASK)
+  model, meta = inference.load_model(_WORKDIR.value, task=prior_task.PRIOR_TASK)
   val_split = 'val' if 'val' in data.available_splits(config.data) else 'train'
   report = prior_task.evaluate_prior(model, train_data, data.load_shards(config.data, val_split),
                                      train_data.rig, config)

@@ -25,17 +25,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ik_gat_jax import bone_frames
+from ik_gat_jax import data as data_lib
+from ik_gat_jax import inference
+from ik_gat_jax import input_pipeline
 from ik_gat_jax import iterative_ik
 from ik_gat_jax import metrics
+from ik_gat_jax import prior_task
 from ik_gat_jax import provenance
 from ik_gat_jax import temporal
-from ik_gat_jax import train
+from ik_gat_jax import trackers
+from ik_gat_jax import vposer
 from ik_gat_jax.skeleton import Rig
 
 METHODS = ('ikgat', 'iterative', 'iterative_noprior', 'swing', 'mean_pose')
-REPO = Path(__file__).resolve().parents[1]
-SHIPPED_IKGAT = REPO / 'checkpoints' / 'ikgat_base'
-SHIPPED_PRIOR = REPO / 'checkpoints' / 'prior'
 
 Solve = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
@@ -138,7 +141,7 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
   """
   idx = select_frames(data, max_frames)
   batch = {k: np.asarray(v) for k, v in
-           train.input_pipeline.gather_batch(data, idx).items()}
+           input_pipeline.gather_batch(data, idx).items()}
   file_ids = np.asarray(data.file_id[idx])
   noisy = add_noise(batch['positions'], noise_mm, seed)
   sparse = sparse or SparseInputs()
@@ -178,7 +181,7 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
   result['per_part'] = metrics.summarize_by(errors, np.searchsorted(part_names, parts),
                                             part_names, rig)
   result['provenance'] = provenance.provenance(
-      rig_hash=rig.fingerprint(), **train.data_provenance(data))
+      rig_hash=rig.fingerprint(), **provenance.data_provenance(data))
   return result
 
 
@@ -223,7 +226,6 @@ def sparse_inputs(sparse: SparseInputs, method: Method, positions: np.ndarray, d
   entry); unchanged, (), {} when `sparse` is inactive."""
   if not sparse.active:
     return positions, (), {}
-  from ik_gat_jax import trackers
   mask = np.broadcast_to(trackers.tracker_mask(rig, sparse.trackers), positions.shape[:2])
   if sparse.joint_dropout > 0:
     mask = mask & trackers.random_masks(len(positions), sparse.joint_dropout, rig.num_joints,
@@ -240,7 +242,6 @@ def sparse_inputs(sparse: SparseInputs, method: Method, positions: np.ndarray, d
           'orientations': list(sparse.orientations), 'seed': sparse.seed,
           'observed_joints_mean': float(mask.sum(-1).mean())}
   if sparse.end_sites:  # true end sites (no input noise), NaN = absent
-    from ik_gat_jax import data as data_lib
     ends = np.asarray(data_lib.require_end_sites(data), np.float32)[idx]
     present = np.all(np.isfinite(ends), axis=-1)
     if not extras:  # zero-width placeholders: no orientations
@@ -263,25 +264,23 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
   `dtype` 'bfloat16' runs the network in bfloat16 (parameters and input positions cast; the
   rest pose's bone frames stay float32, so conversions to local rotations promote to float32).
   """
-  path = Path(checkpoint) if checkpoint else SHIPPED_IKGAT
-  model, meta = train.load_model(path, expected_rig=rig)
+  path = Path(checkpoint) if checkpoint else inference.SHIPPED_IKGAT
+  model, meta = inference.load_model(path, expected_rig=rig)
   model = cast_floating(model, dtype)
   B_of = _bone_frames_fn(rig)
 
   @jax.jit
   def solve(positions, offsets, orientations=None, orientation_mask=None, end_sites=None,
             end_site_mask=None):
-    batch = {'positions': positions.astype(dtype), 'bone_frames': B_of(offsets)}
+    batch = {'positions': positions.astype(dtype), 'bone_frames': B_of(offsets),
+             'offsets': offsets}
     if model.config.joint_mask:  # NaN joints are missing (sparse evaluation, issue G2)
       batch['joint_mask'] = jnp.all(jnp.isfinite(positions), axis=-1)
     if orientations is not None and orientations.shape[-1]:  # width 0: a placeholder
       batch.update(orientations=orientations.astype(dtype), orientation_mask=orientation_mask)
     if end_sites is not None:
       batch.update(end_sites=end_sites.astype(dtype), end_site_mask=end_site_mask)
-    local = train.ikgat_infer(model, batch).astype(jnp.float32)
-    if refine is not None:  # amortized + refine (G1): a few anchored iterations from IK-GAT
-      local = iterative_ik.refine_rotations(local, positions, offsets, rig, refine)[0]
-    return local
+    return inference.ikgat_infer(model, batch, refine=refine).astype(jnp.float32)
 
   info = {'checkpoint': str(path), 'model': meta['config']['model'],
           'trained_steps': meta.get('step'), 'dtype': dtype,
@@ -305,7 +304,6 @@ def cast_floating(model: nnx.Module, dtype: str) -> nnx.Module:
 
 
 def _bone_frames_fn(rig: Rig):
-  from ik_gat_jax import bone_frames
   return lambda offsets: bone_frames.bone_frames(offsets, rig)
 
 
@@ -331,9 +329,8 @@ class Prior:
 
 def load_prior(prior_dir: str | Path | None, rig: Rig) -> Prior:
   """The pose prior of a run or checkpoint directory (default: the shipped one)."""
-  from ik_gat_jax import prior_task, vposer
-  path = Path(prior_dir) if prior_dir else SHIPPED_PRIOR
-  model, _ = train.load_model(path, task=prior_task.PRIOR_TASK, expected_rig=rig)
+  path = Path(prior_dir) if prior_dir else inference.SHIPPED_PRIOR
+  model, _ = inference.load_model(path, task=prior_task.PRIOR_TASK, expected_rig=rig)
   decode, params = vposer.decoder(model)
   return Prior(decode, params, model.config.latent, path)
 

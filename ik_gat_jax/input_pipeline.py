@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ik_gat_jax import bone_frames as bf
+from ik_gat_jax import data as data_lib
 from ik_gat_jax import kinematics
 from ik_gat_jax import rotations
 from ik_gat_jax import trackers
@@ -83,7 +84,6 @@ def gather_batch(dataset: Any, idx: np.ndarray, end_sites: bool = False
       'bone_frames': np.asarray(dataset.bone_frames, np.float32)[subj],
   }
   if end_sites:
-    from ik_gat_jax import data as data_lib
     out['end_sites'] = np.asarray(data_lib.require_end_sites(dataset)[sidx], np.float32)[inverse]
   return out
 

@@ -84,6 +84,7 @@ from flax import nnx
 from ik_gat_jax import bone_frames
 from ik_gat_jax import kinematics
 from ik_gat_jax import rotations
+from ik_gat_jax import skeleton
 from ik_gat_jax.gat import AGGREGATIONS, SCORINGS, GraphAttention
 from ik_gat_jax.skeleton import Rig
 
@@ -540,7 +541,6 @@ def param_count(model: nnx.Module) -> int:
 
 def param_table(config: ModelConfig | None = None) -> dict[str, dict[str, dict[str, int]]]:
   """`{arch: {rig: {size: parameters}}}` for cmu_body and smpl22 (shapes only, no allocation)."""
-  from ik_gat_jax import skeleton
   base = config or ModelConfig()
   rigs = (skeleton.cmu_body(), skeleton.smpl22())
   return {arch: {rig.name: {size: param_count(nnx.eval_shape(

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from ik_gat_jax import bone_frames as bf  # noqa: E402
-from ik_gat_jax.skeleton import Rig, rest_positions_np  # noqa: E402
+from ik_gat_jax import bone_frames as bf
+from ik_gat_jax.io import atomic
+from ik_gat_jax.skeleton import Rig, rest_positions_np
 
 _AXIS_COLORS = ('tab:red', 'tab:green', 'tab:blue')  # x (bone), y, z
 
@@ -23,17 +21,31 @@ def _to_plot(p: np.ndarray, rig: Rig) -> np.ndarray:
   return p @ basis.T
 
 
-def _save_atomic(fig, path: str | os.PathLike) -> None:
-  path = Path(path)
-  tmp = path.with_name(path.name + '.tmp.png')
-  fig.savefig(tmp, dpi=110)
-  plt.close(fig)
-  os.replace(tmp, path)
+@functools.cache
+def pyplot():
+  """matplotlib.pyplot on the Agg backend, imported on first use: matplotlib costs about half a
+  second of start-up, and only the commands that draw pay it."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  return plt
+
+
+def save_figure(fig, path: str | os.PathLike, tight: bool = False) -> None:
+  """PNG at 110 dpi, written to a temporary file beside `path` and renamed; closes `fig`."""
+  if tight:
+    fig.tight_layout()
+  try:
+    with atomic.atomic_path(path, '.png') as tmp:
+      fig.savefig(tmp, dpi=110)
+  finally:
+    pyplot().close(fig)
 
 
 def plot_rest_bone_frames(offsets: np.ndarray, rig: Rig, path: str | os.PathLike,
                           title: str = '', axis_len: float = 0.07) -> None:
   """PNG of a subject's rest pose with every bone frame's axes (x red = bone, y green, z blue)."""
+  plt = pyplot()
   pos = rest_positions_np(offsets, rig.parents)
   B = bf.bone_frames_np(offsets, rig)
   P = _to_plot(pos, rig)
@@ -54,7 +66,7 @@ def plot_rest_bone_frames(offsets: np.ndarray, rig: Rig, path: str | os.PathLike
            xlabel='lateral', ylabel='forward', zlabel='up')
     ax.view_init(elev=elev, azim=azim)
   fig.suptitle(title or f'{rig.name} rest pose, bone frames (x=bone red, y green, z blue)')
-  _save_atomic(fig, path)
+  save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,6 +106,7 @@ def plot_solve_frames(path: str | os.PathLike, input_positions: np.ndarray,
                       axis_len: float = 0.06) -> None:
   """PNG: for each of `frames`, the input joints `[T, J, 3]` (black) against the solved
   skeleton `[T, J, 3]` (FK, blue) with its bone frames `Q [T, J, 3, 3]` (world)."""
+  plt = pyplot()
   frames = [int(t) for t in frames]
   T = len(input_positions)
   bad = [t for t in frames if not 0 <= t < T]
@@ -114,10 +127,11 @@ def plot_solve_frames(path: str | os.PathLike, input_positions: np.ndarray,
     ax.set_title(f'frame {t}: max |input - FK| {err:.0f} mm', fontsize=8)
   fig.suptitle(title or f'{rig.name}: input joints (black) vs solved skeleton (blue); bone '
                'frames x red (bone), y green, z blue', fontsize=9)
-  _save_atomic(fig, path)
+  save_figure(fig, path)
 
 
 def _render_frame(inp, sol, Q, rig, centre, half, label: str, axis_len: float) -> np.ndarray:
+  plt = pyplot()
   fig = plt.figure(figsize=(4, 4))
   fig.subplots_adjust(left=0.0, right=1.0, bottom=0.0, top=0.94)
   ax = fig.add_subplot(1, 1, 1, projection='3d')
@@ -148,10 +162,9 @@ def save_solve_clip(path: str | os.PathLike, input_positions: np.ndarray,
                                 f'frame {t}', axis_len))
   path = Path(path)
   if path.suffix.lower() == '.gif':
-    tmp = path.with_name(f'.{path.name}.tmp.gif')
     pics = [Image.fromarray(im) for im in images]
-    pics[0].save(tmp, save_all=True, append_images=pics[1:], duration=int(1000 / fps), loop=0)
-    os.replace(tmp, path)
+    with atomic.atomic_path(path, '.gif') as tmp:
+      pics[0].save(tmp, save_all=True, append_images=pics[1:], duration=int(1000 / fps), loop=0)
     return
   path.mkdir(parents=True, exist_ok=True)
   if any(path.iterdir()):

@@ -1,4 +1,4 @@
-"""The VPoser-style pose prior as a `train.Task`: the same trainer, its own model, loss, metrics.
+"""The VPoser-style pose prior as an `inference.Task`: the same trainer, its own model, loss, metrics.
 
 The prior's input standardisation (fixed, not trained: DESIGN section 6) is part of the model's
 definition, so it lives in the config (`config.prior_stats`, computed from the training split by
@@ -11,16 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ik_gat_jax import inference
 from ik_gat_jax import input_pipeline
-from ik_gat_jax import metrics
-from ik_gat_jax import train
 from ik_gat_jax import vposer
 from ik_gat_jax.skeleton import Rig
 
 
 def standardization_config(train_data, max_frames: int = 50_000) -> dict:
   """`{'mean': [...], 'std': [...]}` of the non-root 6D rotations of (a subset of) the split."""
-  idx = train.eval_indices(len(train_data.local_rot), max_frames)
+  idx = inference.eval_indices(len(train_data.local_rot), max_frames)
   mean, std = vposer.standardization_stats(np.asarray(train_data.local_rot[idx]))
   return {'mean': list(mean), 'std': list(std)}
 
@@ -49,17 +48,17 @@ def reconstruct(model: vposer.PosePrior, batch: dict, config=None, rig=None) -> 
 
 def _validate(predict, data, config, rig: Rig) -> dict:
   """Reconstruction errors (deg, mm) of the val split, with the metrics module."""
-  return train.validate_local_rotations(predict, data, config, rig)
+  return inference.validate_local_rotations(predict, data, config, rig)
 
 
-PRIOR_TASK = train.Task(name='pose_prior', build=_build, loss=_loss, infer=reconstruct,
+PRIOR_TASK = inference.Task(name='pose_prior', build=_build, loss=_loss, infer=reconstruct,
                         validate=_validate, best_metric='local_rot_err_deg')
 
 
 def latent_statistics(model: vposer.PosePrior, data, max_frames: int = 8192,
                       chunk: int = 2048) -> dict:
   """Active latent dimensions (KL per dimension > 0.01) and mean KL over `data`."""
-  idx = train.eval_indices(len(data.local_rot), max_frames)
+  idx = inference.eval_indices(len(data.local_rot), max_frames)
   rot = np.asarray(data.local_rot[idx], np.float32)
   encode = jax.jit(model.encode)
   mus, logvars = zip(*(encode(rot[i:i + chunk]) for i in range(0, len(rot), chunk)))
@@ -76,9 +75,9 @@ def evaluate_prior(model: vposer.PosePrior, train_data, val_data, rig: Rig, conf
   next to the same for val poses)."""
   predict = jax.jit(lambda b: reconstruct(model, b))
   recon = _validate(predict, val_data, config, rig)
-  idx = train.eval_indices(len(train_data.local_rot), 8192)
+  idx = inference.eval_indices(len(train_data.local_rot), 8192)
   train_poses = jnp.asarray(train_data.local_rot[idx][:, 1:], jnp.float32)
-  vidx = train.eval_indices(len(val_data.local_rot), 1000)
+  vidx = inference.eval_indices(len(val_data.local_rot), 1000)
   val_poses = jnp.asarray(val_data.local_rot[vidx][:, 1:], jnp.float32)
   realism = vposer.sample_realism(model, jax.random.key(seed), train_poses, n=1000)
   val_ref = jnp.degrees(jnp.mean(vposer._nearest_mean_geodesic(  # pylint: disable=protected-access

@@ -7,9 +7,12 @@ import hashlib
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
+import flax
 import jax
+import optax
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,8 +49,6 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 def provenance(**extra) -> dict:
   """git commit, versions, backend, devices, CPU model, threads, time; plus `extra` fields."""
-  import flax
-  import optax
   return {
       'git_commit': git_commit(),
       'jax_version': jax.__version__,
@@ -67,9 +68,15 @@ def provenance(**extra) -> dict:
 
 def command_line() -> str:
   """The running command as a user would type it (`python -m pkg.mod ...` for our mains)."""
-  import sys
   prog = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
   if prog is not None and prog.suffix == '.py' and REPO in prog.parents:
     module = '.'.join(prog.relative_to(REPO).with_suffix('').parts)
     return ' '.join(['python -m', module] + sys.argv[1:])
   return ' '.join(sys.argv)
+
+
+def data_provenance(data) -> dict:
+  """Which data a run used: shard directory, rig and split hashes, frames per split."""
+  s = data.summary
+  return {'data_dir': str(Path(data.path).absolute()), 'rig_sha256': s.get('rig_sha256'),
+          'split_sha256': s.get('split_sha256'), 'frames': s.get('frames')}

@@ -25,6 +25,15 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from absl import app, flags, logging
+
+from ik_gat_jax import plots
+from ik_gat_jax import solver as solver_lib
+from ik_gat_jax import temporal
+from ik_gat_jax import trackers as trackers_lib
+from ik_gat_jax.errors import CheckpointError, InputError
+from ik_gat_jax.io import exports
+from ik_gat_jax.io import smpl as smpl_lib
 
 _FLAGS_DEFINED = False
 
@@ -41,14 +50,12 @@ def output_kind(path: str | Path) -> str:
   for ext in ('bvh', 'npz'):
     if name.endswith('.' + ext):
       return ext
-  from ik_gat_jax.solver import InputError
   raise InputError(f'output {path}: unknown format; use .bvh, .npz or .smpl.npz')
 
 
 def parse_frames(spec: str | None, num_frames: int, default: int) -> list[int]:
   """'0,10,20' or 'start:stop[:step]' -> frame indices; None: `default` evenly spaced frames
   (a list spec) or the first `default` frames (a range spec is clipped to the clip)."""
-  from ik_gat_jax.solver import InputError
   if spec is None:
     return sorted({int(round(x)) for x in np.linspace(0, num_frames - 1, min(default,
                                                                             num_frames))})
@@ -68,7 +75,6 @@ def parse_frames(spec: str | None, num_frames: int, default: int) -> list[int]:
 
 def _subject_offsets(source, offsets_from, offsets_units, joint_map, M, rig):
   """The subject's offsets (metres, rig axes) or None for the template (see solve_file)."""
-  from ik_gat_jax.io import exports
   if offsets_from is not None:
     return exports.read_bvh_offsets(offsets_from, rig, joint_map=joint_map, units=offsets_units)
   if source.offsets is None:
@@ -111,8 +117,6 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   NaN = not given), or 'bvh' for a BVH input's own End Sites; a checkpoint trained with end
   sites (issue G2) also uses a BVH input's End Sites when `end_sites` is None; 'none' gives none.
   """
-  from ik_gat_jax import solver as solver_lib
-  from ik_gat_jax.io import exports
   t0 = time.perf_counter()
   kind = output_kind(output)
   exports.check_output(output, overwrite)
@@ -124,13 +128,12 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   solver = solver_lib.IKSolver.from_checkpoint(
       checkpoint, expected_rig=rig, block_size=block_size or solver_lib.DEFAULT_BLOCK,
       refine_iters=refine_iters)
-  from ik_gat_jax import temporal
   solver.temporal_filter = temporal.with_overrides(solver.temporal_filter, filter_kind,
                                                    filter_min_cutoff, filter_beta,
                                                    filter_d_cutoff)
   rig = solver.rig
   if kind == 'smpl' or smpl_npz is not None:
-    exports.check_smpl_rig(rig)  # refuse before solving
+    smpl_lib.check_smpl_rig(rig)  # refuse before solving
   source = exports.read_positions(input, rig, joint_map=joint_map, bvh_units=units,
                                   bvh_fps=fps)
   M = solver_lib.parse_input_axes(input_axes, rig)
@@ -170,7 +173,6 @@ def _sparse_inputs(solver, trackers: str, orientations: str | None, T: int):
   (an .npy of world rotations in the rig's axes, NaN = not given); issue G2."""
   mask = orient = None
   if trackers and trackers != 'full':
-    from ik_gat_jax import trackers as trackers_lib
     mask = trackers_lib.tracker_mask(solver.rig, trackers)
   if orientations:
     orient = np.load(orientations)
@@ -200,7 +202,6 @@ def _end_sites(solver, end_sites: str | None, source) -> np.ndarray | None:
 
 
 def _write_main(kind, path, sol, rig, fps, bvh_units, smpl_world, solver) -> None:
-  from ik_gat_jax.io import exports
   if kind == 'bvh':
     exports.write_solution_bvh(path, sol, rig, fps, units=bvh_units)
   elif kind == 'smpl':
@@ -213,7 +214,6 @@ def _write_main(kind, path, sol, rig, fps, bvh_units, smpl_world, solver) -> Non
 def _write_pictures(png, frames_out, sol, rig, fps, plot_frames, clip_frames) -> None:
   if png is None and frames_out is None:
     return
-  from ik_gat_jax import plots
   T = sol.num_frames
   if png is not None:
     plots.plot_solve_frames(png, sol.positions, sol.positions_fk, rig,
@@ -233,7 +233,6 @@ def define_flags() -> None:
   global _FLAGS_DEFINED
   if _FLAGS_DEFINED:
     return
-  from absl import flags
   s, b = flags.DEFINE_string, flags.DEFINE_boolean
   s('input', None, 'Positions: .npz (positions [T,J,3]), .csv (J*3 columns per row) or .bvh.')
   s('output', None, 'Result: .bvh, .npz, or .smpl.npz (SMPL pose parameters, smpl22 only).')
@@ -283,8 +282,6 @@ def define_flags() -> None:
 def main(argv) -> None:
   if len(argv) > 1:
     raise SystemExit(f'error: unexpected arguments {argv[1:]}; flags look like --input=FILE')
-  from absl import flags, logging
-  from ik_gat_jax import checkpointing
   F = flags.FLAGS
   if not F['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
@@ -306,7 +303,7 @@ def main(argv) -> None:
                  filter_min_cutoff=F.filter_min_cutoff, filter_beta=F.filter_beta,
                  filter_d_cutoff=F.filter_d_cutoff, trackers=F.trackers,
                  orientations=F.orientations, end_sites=F.end_sites)
-  except (ValueError, KeyError, OSError, checkpointing.CheckpointError) as e:
+  except (ValueError, KeyError, OSError, CheckpointError) as e:
     text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip()
     _stderr(f'error: {text.splitlines()[0] if text else type(e).__name__}')
     sys.exit(2)
@@ -314,7 +311,6 @@ def main(argv) -> None:
 
 def run(argv: list[str] | None = None) -> int:
   """Parses `argv` (argv[0] = program name) and runs `main`; returns the exit status."""
-  from absl import app, flags
   argv = list(sys.argv if argv is None else argv)
   define_flags()
   if any(a in ('-h', '--help', '-help', '--helpshort') for a in argv[1:]):

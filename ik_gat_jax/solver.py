@@ -66,13 +66,14 @@ import numpy as np
 from flax import nnx
 
 from ik_gat_jax import bone_frames as bone_frames_lib
+from ik_gat_jax import inference
 from ik_gat_jax import iterative_ik
 from ik_gat_jax import kinematics
 from ik_gat_jax import temporal
-from ik_gat_jax.skeleton import Rig, RigError, get_rig, rest_positions_np
-from ik_gat_jax.errors import InputError  # noqa: F401  (also solver.InputError)
+from ik_gat_jax.errors import CheckpointError, InputError  # noqa: F401  (also solver.InputError)
 from ik_gat_jax.io import exports
-from ik_gat_jax.io.units import UNITS, parse_units
+from ik_gat_jax.io.units import UNITS, parse_units  # noqa: F401  (also solver.parse_units)
+from ik_gat_jax.skeleton import Rig, RigError, get_rig, rest_positions_np
 
 DEFAULT_BLOCK = 1024
 REFINE_LR = 0.003  # amortized + refine: the val sweep's best step (BENCHMARKS.md)
@@ -389,13 +390,9 @@ def _make_forward(graphdef, rig: Rig, counter: list[int], refine=None):
 
 def _infer(graphdef, rig: Rig, refine, state, positions, offsets, B, sparse=None):
   """The network (+ the optional refinement): positions `[b, J, 3]` -> local `[b, J, 3, 3]`."""
-  from ik_gat_jax import train  # the one inference path (train.ikgat_infer); heavy import
-  model = nnx.merge(graphdef, state)
-  local = train.ikgat_infer(model, {'positions': positions, 'bone_frames': B[None],
-                                    **(sparse or {})}, rig=rig)
-  if refine is not None:
-    local = iterative_ik.refine_rotations(local, positions, offsets, rig, refine)[0]
-  return local
+  return inference.ikgat_infer(nnx.merge(graphdef, state),
+                               {'positions': positions, 'bone_frames': B[None],
+                                'offsets': offsets, **(sparse or {})}, rig=rig, refine=refine)
 
 
 def _make_stream_step(graphdef, rig: Rig, counter: list[int], refine,
@@ -486,7 +483,7 @@ class IKSolver:
                       refine_iters: int = 0,
                       temporal_filter: temporal.FilterConfig | None = None,
                       fps: float = 30.0) -> 'IKSolver':
-    """Loads a run directory or checkpoint (None: `evaluation.SHIPPED_IKGAT`).
+    """Loads a run directory or checkpoint (None: `inference.SHIPPED_IKGAT`).
 
     `offsets [J, 3]` (metres) or `offsets_from` (a BVH: its rest offsets reduced to the rig,
     `joint_map`/`bvh_units` as for BVH input, `io.exports.read_bvh_offsets`) set the default
@@ -496,19 +493,17 @@ class IKSolver:
     `temporal_filter` (None: the checkpoint's `temporal` config, else none) at frame rate `fps`
     (module docstring).
     """
-    from ik_gat_jax import checkpointing, train
     if offsets is not None and offsets_from is not None:  # before the (slow) model load
       raise InputError('give offsets or offsets_from, not both')
     if path is None:
-      from ik_gat_jax.evaluation import SHIPPED_IKGAT
-      if not Path(SHIPPED_IKGAT).is_dir():
-        raise checkpointing.CheckpointError(
-            f'no --checkpoint given and the shipped default {SHIPPED_IKGAT} does not exist yet: '
-            'pass --checkpoint=RUN_OR_CHECKPOINT_DIR (a training workdir works)')
-      path = SHIPPED_IKGAT
+      if not Path(inference.SHIPPED_IKGAT).is_dir():
+        raise CheckpointError(
+            f'no --checkpoint given and the shipped default {inference.SHIPPED_IKGAT} does not '
+            'exist yet: pass --checkpoint=RUN_OR_CHECKPOINT_DIR (a training workdir works)')
+      path = inference.SHIPPED_IKGAT
     if isinstance(expected_rig, str):
       expected_rig = get_rig(expected_rig)
-    model, meta = train.load_model(path, expected_rig=expected_rig)
+    model, meta = inference.load_model(path, expected_rig=expected_rig)
     if offsets_from is not None:
       offsets = exports.read_bvh_offsets(offsets_from, model.rig, joint_map=joint_map,
                                          units=bvh_units)

@@ -1,7 +1,8 @@
 """The one trainer: train state, jitted step, validation, logging, resumable checkpoints.
 
-A model family plugs in as a `Task` (its model, per-example loss, validation metrics); IK-GAT is
-`IKGAT_TASK` below and the pose prior brings its own. Everything else is shared:
+A model family plugs in as an `inference.Task` (its model, per-example loss, validation
+metrics); IK-GAT is `inference.IKGAT_TASK` and the pose prior brings its own. Everything else is
+shared:
 - optax AdamW with linear warm-up and cosine decay, global-norm clipping;
 - a jitted step that donates its state, per-step RNG by `jax.random.fold_in(seed_key, step)`;
 - the stateless batch order of `input_pipeline.batch_indices`, so a resumed run sees exactly
@@ -21,7 +22,6 @@ Library code never reads flags: `experiments/train.py` parses them and calls
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -42,100 +42,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ik_gat_jax import checkpointing
 from ik_gat_jax import data as data_lib
 from ik_gat_jax import input_pipeline
-from ik_gat_jax import losses
-from ik_gat_jax import metrics
-from ik_gat_jax import model as model_lib
+from ik_gat_jax.inference import IKGAT_TASK, Task
+from ik_gat_jax.io import atomic
 from ik_gat_jax import provenance
-from ik_gat_jax import temporal
 from ik_gat_jax.skeleton import Rig
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-  """What the trainer needs from a model family.
-
-  build(config, rig, rngs, train_data) -> nnx.Module.
-  loss(model, batch, key, config, rig) -> (per-example loss [B], {name: [B]}), jittable; the
-    batch is `input_pipeline.gather_batch`'s dict, augmentation is the task's business.
-  validate(predict, data, config, rig) -> flat dict of floats (must hold `best_metric`);
-    `predict(batch_dict) -> outputs` is the jitted deterministic forward of `infer`.
-  infer(model, batch, config, rig) -> outputs used by `validate` (jittable, deterministic).
-  """
-  name: str
-  build: Callable[..., nnx.Module]
-  loss: Callable[..., tuple[jax.Array, dict]]
-  infer: Callable[..., Any]
-  validate: Callable[..., dict]
-  best_metric: str
-
-
-# ----------------------------------------------------------------------------------------------
-# IK-GAT as a task.
-
-
-def _ikgat_build(config, rig: Rig, rngs: nnx.Rngs, train_data) -> nnx.Module:
-  del train_data
-  return model_lib.create_model(model_lib.ModelConfig.from_dict(config.model), rig, rngs)
-
-
-def _ikgat_loss(model, batch, key, config, rig):
-  batch = input_pipeline.augment(batch, key, config.augment, rig)
-  pred = model(batch['input_positions'], deterministic=False,
-               **model_lib.extra_inputs(batch, model.config))
-  return losses.ikgat_loss(pred, batch, rig, model.config.output_space, config.loss.alpha)
-
-
-def ikgat_infer(model, batch, config=None, rig=None) -> jax.Array:
-  """Deterministic forward to local rotations `[B, J, 3, 3]` (batch: positions, bone_frames;
-  optional joint_mask, orientations, orientation_mask, end_sites, end_site_mask where the model
-  takes them)."""
-  del config
-  rig = rig or model.rig
-  pred = model(batch['positions'], deterministic=True,
-               **model_lib.extra_inputs(batch, model.config))
-  return model_lib.to_local(pred, batch['bone_frames'], rig, model.config.output_space)
-
-
-def _wants_end_sites(config) -> bool:
-  """Training batches carry end sites (issue G2) when augmentation may give them to the model."""
-  return float(config.get('augment', {}).get('end_site_prob', 0.0)) > 0
-
-
-def validate_local_rotations(predict, data, config, rig: Rig) -> dict:
-  """Metrics of predicted local rotations on (a fixed subset of) `data`; flat dict of floats."""
-  idx = eval_indices(len(data.positions), config.train.val_frames)
-  batch = input_pipeline.gather_batch(data, idx)
-  pred = predict_in_chunks(predict, batch, config.train.eval_batch_size)
-  errors = metrics.compute_errors_batched(pred, batch['local_rot'], batch['offsets'],
-                                          batch['bone_frames'], batch['positions'], rig)
-  s = metrics.summarize(errors, rig)
-  flat = {k: v for k, v in s.items() if isinstance(v, float)}
-  flat.update({f'local_rot_err_deg_{c}': v for c, v in s['local_rot_err_deg_by_class'].items()})
-  flat.update(_validate_temporal(pred, batch, data, idx, config, rig))
-  return flat
-
-
-def _validate_temporal(pred, batch, data, idx, config, rig: Rig) -> dict:
-  """Jitter of the predictions vs the truth (issue G3), where the validation frames hold whole
-  runs of consecutive frames (val_frames >= the split: CMU's val); with `config.temporal` set,
-  also the filtered error and jitter. {} when no three consecutive frames are evaluated."""
-  file_ids, frame_index = np.asarray(data.file_id[idx]), np.asarray(data.frame_index[idx])
-  jit = metrics.jitter_summary(pred, batch['local_rot'], file_ids, data.fps, rig, frame_index)
-  out = {k: v for k, v in jit.items() if k != 'per_joint_jitter'}
-  section = config.get('temporal')
-  filt = temporal.FilterConfig.from_dict(section.to_dict() if section is not None else None)
-  if jit and filt.active:
-    pred = temporal.filter_clips(pred, file_ids, filt, data.fps, frame_index)
-    errors = metrics.compute_errors_batched(pred, batch['local_rot'], batch['offsets'],
-                                            batch['bone_frames'], batch['positions'], rig)
-    out['filtered_local_rot_err_deg'] = metrics.summarize(errors, rig)['local_rot_err_deg']
-    out['filtered_jitter_deg_s2'] = metrics.jitter_summary(
-        pred, batch['local_rot'], file_ids, data.fps, rig, frame_index)['jitter_deg_s2']
-  return {k: float(v) for k, v in out.items()}
-
-
-IKGAT_TASK = Task(name='ikgat', build=_ikgat_build, loss=_ikgat_loss, infer=ikgat_infer,
-                  validate=validate_local_rotations, best_metric='local_rot_err_deg')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,26 +154,6 @@ def sharded_predict(predict: Callable, state: dict, mesh: Mesh) -> Callable[[dic
 
 # ----------------------------------------------------------------------------------------------
 # Shared machinery.
-
-
-def eval_indices(n: int, max_frames: int) -> np.ndarray:
-  """A fixed, evenly spaced subset of at most `max_frames` of `n` frames."""
-  if max_frames <= 0 or n <= max_frames:
-    return np.arange(n)
-  return np.linspace(0, n - 1, max_frames).round().astype(np.int64)
-
-
-def predict_in_chunks(predict, batch: dict, chunk: int) -> np.ndarray:
-  """Runs `predict` over a host batch in fixed-size chunks (last one padded: one compile)."""
-  n = len(next(iter(batch.values())))
-  outs = []
-  for start in range(0, n, chunk):
-    part = {k: v[start:start + chunk] for k, v in batch.items()}
-    m = len(part['positions'])
-    if m < chunk and n > chunk:
-      part = {k: np.concatenate([v, np.repeat(v[-1:], chunk - m, 0)]) for k, v in part.items()}
-    outs.append(np.asarray(predict(part))[:m])
-  return np.concatenate(outs)
 
 
 def create_optimizer(train_cfg) -> optax.GradientTransformation:
@@ -396,23 +286,15 @@ class MetricWriter:
       self.tb.close()
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-  tmp = path.with_name(path.name + '.tmp')
-  tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
-  os.replace(tmp, path)
+def _wants_end_sites(config) -> bool:
+  """Training batches carry end sites (issue G2) when augmentation may give them to the model."""
+  return float(config.get('augment', {}).get('end_site_prob', 0.0)) > 0
 
 
 def _fmt_eta(seconds: float) -> str:
   seconds = int(max(seconds, 0))
   return f'{seconds // 3600}h{seconds % 3600 // 60:02d}m' if seconds >= 3600 else \
       f'{seconds // 60}m{seconds % 60:02d}s'
-
-
-def data_provenance(data) -> dict:
-  """Which data a run used: shard directory, rig and split hashes, frames per split."""
-  s = data.summary
-  return {'data_dir': str(Path(data.path).absolute()), 'rig_sha256': s.get('rig_sha256'),
-          'split_sha256': s.get('split_sha256'), 'frames': s.get('frames')}
 
 
 def checkpoint_meta(config, rig: Rig, task: Task, data_info: dict, metrics_: dict) -> dict:
@@ -484,7 +366,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   val_data = (data_lib.load_shards(config.data, 'val')
               if 'val' in data_lib.available_splits(config.data) else None)
   rig = train_data.rig
-  data_info = data_provenance(train_data)
+  data_info = provenance.data_provenance(train_data)
   graphdef, state = init_state(task, config, rig, train_data)
   state = place_state(state, mesh)  # first: the abstract tree below takes this mesh's shardings
   latest = checkpointing.Checkpointer(workdir / 'checkpoints' / 'latest', max_to_keep=1)
@@ -510,7 +392,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
               'config': config.to_dict(), 'devices': mesh.size,
               'processes': jax.process_count()}
   if chief:
-    write_json_atomic(workdir / 'run.json', {**manifest, 'step': int(state['step'])})
+    atomic.write_json(workdir / 'run.json', {**manifest, 'step': int(state['step'])})
     (workdir / 'config.json').write_text(json.dumps(config.to_dict(), indent=1))
 
   train_step = make_train_step(task, graphdef, config, rig, mesh)
@@ -535,7 +417,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   def save_latest(step, status):
     latest.save(step, saved_part(state), checkpoint_meta(config, rig, task, data_info, last_val))
     if chief:
-      write_json_atomic(workdir / 'run.json', {**manifest, 'status': status, 'step': step,
+      atomic.write_json(workdir / 'run.json', {**manifest, 'status': status, 'step': step,
                                                'val': last_val, 'best_value': best_value})
 
   log(f'training {task.name} on {len(train_data)} frames ({rig.name}, {rig.num_joints} joints), '
@@ -573,7 +455,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     if _is_deleted(state):  # a second Ctrl-C inside a step that had donated the state
       saved_step = latest.latest_step()
       if chief:  # the manifest must not keep saying 'running'
-        write_json_atomic(workdir / 'run.json', {
+        atomic.write_json(workdir / 'run.json', {
             **manifest, 'status': 'interrupted', 'step': saved_step, 'val': last_val,
             'best_value': best_value})
       log(f'interrupted inside step {step}; the last saved checkpoint (step {saved_step}) '
@@ -631,33 +513,3 @@ class _Progress:
     vals['pipeline_frames_per_s'] = made * batch_size / max(busy, 1e-9)
     self._reset()
     return vals
-
-
-def load_model(checkpoint_dir: str | os.PathLike, task: Task = IKGAT_TASK,
-               expected_rig: Rig | None = None) -> tuple[nnx.Module, dict]:
-  """Restores a trained model (parameters only) and its meta from a checkpoint directory.
-
-  `checkpoint_dir` may be a run's workdir (uses `checkpoints/best`) or a checkpoint directory.
-  """
-  path = Path(checkpoint_dir)
-  if (path / 'checkpoints' / 'best').is_dir():
-    path = path / 'checkpoints' / 'best'
-  ckpt = checkpointing.Checkpointer(path, create=False)
-  meta = ckpt.restore_meta()
-  if meta.get('task') != task.name:
-    raise checkpointing.CheckpointError(f'{path} holds a {meta.get("task")!r} model, '
-                                        f'not {task.name!r}')
-  try:
-    rig = Rig.from_json(meta['rig'])
-    config = ml_collections.ConfigDict(meta['config'])
-  except Exception as e:  # valid JSON without a usable rig or config
-    raise checkpointing.CheckpointError(f'checkpoint {path} has unusable metadata (rig, config):'
-                                        f' {checkpointing.one_line(e)}') from e
-  if expected_rig is not None and rig.joint_names != expected_rig.joint_names:
-    raise checkpointing.CheckpointError(
-        f'checkpoint {path} is for rig {rig.name!r} ({rig.num_joints} joints), not '
-        f'{expected_rig.name!r} ({expected_rig.num_joints} joints)')
-  model = task.build(config, rig, nnx.Rngs(0), None)
-  graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
-  tree, _ = ckpt.restore(checkpointing.abstract_like({'params': params, 'rest': rest}))
-  return nnx.merge(graphdef, tree['params'], rngs, tree['rest']), meta

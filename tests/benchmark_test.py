@@ -1,5 +1,6 @@
 """The benchmark suite: the --smoke run on real frames, its JSON, tables and plots; discovery;
-the timing helpers. Speed numbers are benchmarks, not asserted here."""
+the timing helpers (on a fake clock: known answers). Speed numbers are benchmarks, not
+asserted here."""
 
 import json
 import math
@@ -12,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ik_gat_jax import benchmark, data, evaluation
+from experiments import benchmark_suite as benchmark
+from ik_gat_jax import data, evaluation, inference, iterative_ik
 
 SECTIONS = ('accuracy', 'speed', 'block_sweep', 'pareto', 'noise', 'init_robustness', 'bf16',
             'ratios', 'matmul')
@@ -131,8 +133,8 @@ def test_smoke_writes_json_tables_and_pngs(smoke, tmp_path):
 
 def test_missing_prior_skips_only_the_prior_solver(cmu_shards, tiny_ikgat_run, monkeypatch,
                                                    tmp_path):
-  monkeypatch.setattr(evaluation, 'SHIPPED_PRIOR', tmp_path / 'no_prior')
-  monkeypatch.setattr(evaluation, 'SHIPPED_IKGAT', tmp_path / 'no_ikgat')
+  monkeypatch.setattr(inference, 'SHIPPED_PRIOR', tmp_path / 'no_prior')
+  monkeypatch.setattr(inference, 'SHIPPED_IKGAT', tmp_path / 'no_ikgat')
   found = benchmark.resolve_checkpoints(None, None)
   assert found.prior is None and not found.ikgat
   found.ikgat['tiny'] = tiny_ikgat_run
@@ -145,16 +147,100 @@ def test_missing_prior_skips_only_the_prior_solver(cmu_shards, tiny_ikgat_run, m
   assert list(ctx.families) == ['iterative_noprior']
 
 
-def test_timing_helpers():
-  f = jax.jit(lambda p, o: p + o)
-  x = jnp.ones((8, 21, 3))
-  lat = benchmark.latency(f, x, x, calls=30, max_seconds=10.0)
-  assert lat['calls'] == 30 and lat['p99_ms'] >= lat['median_ms'] > 0
-  thr = benchmark.throughput(f, x, x, min_seconds=0.0)
-  assert thr['batch'] == 8 and thr['calls'] >= 3
-  blk = benchmark.blocked_throughput(f, x, x, 4, min_seconds=0.0)
-  assert blk['block'] == 4 and blk['frames_per_s'] > 0
-  assert benchmark.matmul_gflops(64, min_seconds=0.0)['gflops_per_s'] > 0
+class _Clock:
+  """Stands in for the benchmark module's `time`: `perf_counter` moves by `tick` per call and
+  otherwise only when a workload advances it, so the timing helpers' arithmetic has known
+  answers whatever this machine's speed (no speed is asserted)."""
+
+  def __init__(self, tick: float = 0.0):
+    self.now, self.tick = 0.0, tick
+
+  def perf_counter(self) -> float:
+    self.now += self.tick
+    return self.now
+
+
+class _Workload:
+  """A jitted `p + o` that takes exactly `seconds` on `clock`, counting its calls and frames."""
+
+  def __init__(self, clock: _Clock, seconds: float):
+    self.clock, self.seconds, self.calls, self.frames = clock, seconds, 0, 0
+    self._f = jax.jit(lambda p, o: p + o)
+
+  def __call__(self, p, o):
+    self.calls += 1
+    self.frames += int(p.shape[0])
+    self.clock.now += self.seconds
+    return self._f(p, o)
+
+
+X8 = jnp.ones((8, 21, 3))
+
+
+def test_time_calls_counts_one_untimed_call_and_stops_by_its_rule(monkeypatch):
+  clock = _Clock()
+  monkeypatch.setattr(benchmark, 'time', clock)
+  work = _Workload(clock, 0.5)
+  times, first = benchmark.time_calls(lambda: work(X8, X8), min_calls=3, max_calls=7,
+                                      seconds=1e9)
+  assert work.calls == 1 + 7 and first == 0.5  # the untimed first call, then max_calls
+  np.testing.assert_array_equal(times, np.full(7, 0.5))
+  work.calls = 0
+  times, _ = benchmark.time_calls(lambda: work(X8, X8), min_calls=3, max_calls=200, seconds=2.0)
+  assert work.calls == 1 + 4 and len(times) == 4  # 4 calls of 0.5 s reach 2 s (after >= 3)
+  work.calls = 0
+  times, _ = benchmark.time_calls(lambda: work(X8, X8), min_calls=3, max_calls=200, seconds=0.0)
+  assert work.calls == 1 + 3 and len(times) == 3  # min_calls, however fast
+
+
+def test_latency_and_throughput_of_a_known_workload(monkeypatch):
+  clock = _Clock()
+  monkeypatch.setattr(benchmark, 'time', clock)
+  work = _Workload(clock, 0.5)
+  lat = benchmark.latency(work, X8, X8, calls=30, max_seconds=1e9)
+  assert work.calls == 1 + 30 and work.frames == 31  # batch 1: one frame per call
+  assert lat == {'median_ms': 500.0, 'p99_ms': 500.0, 'frames_per_s': 2.0, 'calls': 30,
+                 'compile_s': 0.5}
+  work.calls = 0
+  assert benchmark.latency(work, X8, X8, calls=30, max_seconds=0.0)['calls'] == 10
+  assert work.calls == 1 + 10  # at least 10 calls when they take longer than max_seconds
+  work.calls = work.frames = 0
+  thr = benchmark.throughput(work, X8, X8, min_seconds=0.0)
+  assert work.calls == 1 + 3 and work.frames == 8 * 4
+  assert thr == {'batch': 8, 'frames_per_s': 16.0, 'ms_per_frame': 62.5, 'seconds_per_call': 0.5,
+                 'calls': 3, 'compile_s': 0.5}
+  work.calls = work.frames = 0
+  blk = benchmark.blocked_throughput(work, X8, X8, 4, min_seconds=0.0)
+  assert work.calls == 2 * (1 + 3) and work.frames == 8 * 4  # 2 blocks of 4 frames per call
+  assert blk == {'batch': 8, 'block': 4, 'frames_per_s': 8.0, 'ms_per_frame': 125.0,
+                 'calls': 3, 'compile_s': 1.0}
+  # Median, not mean: one slow call among three does not move frames/s.
+  durations = iter([0.5, 0.25, 4.0, 0.25])
+  def uneven(p, o):
+    clock.now += next(durations)
+    return p + o
+  thr = benchmark.throughput(uneven, X8, X8, min_seconds=0.0)
+  assert thr['seconds_per_call'] == 0.25 and thr['frames_per_s'] == 32.0
+
+
+def test_matmul_gflops_is_2n3_over_the_median_call(monkeypatch):
+  monkeypatch.setattr(benchmark, 'time', _Clock(tick=0.25))  # every timed interval: 0.25 s
+  r = benchmark.matmul_gflops(64, min_seconds=0.0)
+  assert r['seconds'] == 0.25 and r['n'] == 64 and r['dtype'] == 'float32'
+  np.testing.assert_allclose(r['gflops_per_s'], 2 * 64**3 / 0.25 / 1e9, rtol=1e-12)
+
+
+def test_flop_count_of_a_known_matmul():
+  """XLA's cost analysis counts a [m, k] @ [k, n] matmul as 2 m n k FLOPs; the benchmark's
+  FLOPs-per-frame divides by the leading (frame) axis."""
+  m, k, n, frames = 16, 32, 24, 8
+  b = jnp.ones((k, n))
+  cost = jax.jit(jnp.matmul).lower(jnp.ones((m, k)), b).compile().cost_analysis()
+  assert benchmark._cost_flops(cost) == 2 * m * n * k  # pylint: disable=protected-access
+  assert benchmark._cost_flops([cost]) == 2 * m * n * k  # older jax: a list of one dict
+  assert math.isnan(benchmark._cost_flops({})) and math.isnan(benchmark._cost_flops([]))
+  per_frame = iterative_ik.flops_per_frame(lambda x: x @ b, jnp.ones((frames, m, k)))
+  assert per_frame == 2 * m * n * k
 
 
 def test_cli_missing_checkpoints_is_one_line_nonzero(tmp_path):

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from experiments.configs import test as test_config
-from ik_gat_jax import checkpointing, train
+from ik_gat_jax import checkpointing, inference, train
 from ik_gat_jax.skeleton import Rig
 
 
@@ -136,7 +136,7 @@ def run_copy(tiny_ikgat_run, tmp_path) -> Path:
 
 def test_trained_run_loads(run_copy):
   """The baseline: the untouched copy loads."""
-  model, meta = train.load_model(run_copy)
+  model, meta = inference.load_model(run_copy)
   assert meta['task'] == 'ikgat' and model.rig.name == 'cmu_body'
 
 
@@ -144,7 +144,7 @@ def test_trained_corrupt_metadata(run_copy):
   best = run_copy / 'checkpoints' / 'best'
   (_step_dir(best) / 'meta' / 'metadata').write_text('{"format_version": 1, "task": ')
   with pytest.raises(checkpointing.CheckpointError) as e:
-    train.load_model(run_copy)
+    inference.load_model(run_copy)
   assert 'cannot read checkpoint metadata' in _assert_refused(e, best)
 
 
@@ -156,7 +156,7 @@ def test_trained_metadata_without_rig(run_copy):
   del meta['rig']
   path.write_text(json.dumps(meta))
   with pytest.raises(checkpointing.CheckpointError) as e:
-    train.load_model(run_copy)
+    inference.load_model(run_copy)
   assert 'unusable metadata' in _assert_refused(e, best)
 
 
@@ -164,7 +164,7 @@ def test_trained_truncated_array_file(run_copy):
   best = run_copy / 'checkpoints' / 'best'
   _truncate_largest_array_file(_step_dir(best))
   with pytest.raises(checkpointing.CheckpointError) as e:
-    train.load_model(run_copy)
+    inference.load_model(run_copy)
   msg = _assert_refused(e, best)
   assert 'cannot restore checkpoint' in msg and 'truncated' in msg
 
@@ -180,7 +180,7 @@ def test_trained_shape_mismatch_on_restore(run_copy, override, expect):
   meta = ckpt.restore_meta()
   config = ml_collections.ConfigDict(meta['config'])
   config.model.update(override)
-  model = train.IKGAT_TASK.build(config, Rig.from_json(meta['rig']), nnx.Rngs(0), None)
+  model = inference.IKGAT_TASK.build(config, Rig.from_json(meta['rig']), nnx.Rngs(0), None)
   _, params, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
   with pytest.raises(checkpointing.CheckpointError, match=expect) as e:
     ckpt.restore(checkpointing.abstract_like({'params': params, 'rest': rest}))
@@ -195,7 +195,7 @@ def test_trained_shape_mismatch_via_load_model(run_copy):
   meta['config']['model']['hidden'] = 32
   path.write_text(json.dumps(meta))
   with pytest.raises(checkpointing.CheckpointError, match='in the checkpoint') as e:
-    train.load_model(run_copy)
+    inference.load_model(run_copy)
   _assert_refused(e, best)
 
 

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from ik_gat_jax import data as data_lib
+from ik_gat_jax import inference
 from ik_gat_jax import input_pipeline
 from ik_gat_jax import model as model_lib
 from ik_gat_jax import skeleton
@@ -187,11 +188,11 @@ def test_solver_end_sites(rig, tmp_path):
   from ik_gat_jax.solver import IKSolver, InputError
   config = test_config.get_config()
   config.model.update(end_sites=True)
-  model = train.IKGAT_TASK.build(config, rig, nnx.Rngs(0), None)
+  model = inference.IKGAT_TASK.build(config, rig, nnx.Rngs(0), None)
   _, params, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
   checkpointing.Checkpointer(tmp_path / 'es', max_to_keep=1).save(
       0, {'params': params, 'rest': rest},
-      train.checkpoint_meta(config, rig, train.IKGAT_TASK, {}, {}))
+      train.checkpoint_meta(config, rig, inference.IKGAT_TASK, {}, {}))
   solver = IKSolver.from_checkpoint(tmp_path / 'es')
   pos, ends, given = _inputs(rig)
   pos = np.asarray(pos) + np.asarray(rig.template())[None]  # plausible enough: no warnings
@@ -206,10 +207,10 @@ def test_solver_end_sites(rig, tmp_path):
   with pytest.raises(InputError, match='end_sites must be'):
     solver.solve(pos, end_sites=ends[:, :3], check=False)
   plain_cfg = test_config.get_config()
-  plain_model = train.IKGAT_TASK.build(plain_cfg, rig, nnx.Rngs(0), None)
+  plain_model = inference.IKGAT_TASK.build(plain_cfg, rig, nnx.Rngs(0), None)
   _, params, _, rest = nnx.split(plain_model, nnx.Param, nnx.RngState, ...)
   checkpointing.Checkpointer(tmp_path / 'plain', max_to_keep=1).save(
       0, {'params': params, 'rest': rest},
-      train.checkpoint_meta(plain_cfg, rig, train.IKGAT_TASK, {}, {}))
+      train.checkpoint_meta(plain_cfg, rig, inference.IKGAT_TASK, {}, {}))
   with pytest.raises(InputError, match='end sites'):
     IKSolver.from_checkpoint(tmp_path / 'plain').solve(pos, end_sites=ends, check=False)

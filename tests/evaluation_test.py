@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from ik_gat_jax import checkpointing, data, evaluation, iterative_ik, metrics, prior_task, train
+from ik_gat_jax import checkpointing, data, evaluation, inference, iterative_ik, metrics, prior_task, train
 
 REQUIRED = ('method', 'frames', 'local_rot_err_deg', 'root_rot_err_deg', 'global_rot_err_deg',
             'twist_err_deg', 'swing_err_deg', 'mpjpe_mm', 'seconds', 'frames_per_s', 'per_joint',
@@ -34,7 +34,7 @@ def test_swing_floor_reproduces_clean_positions(cmu_shards):
 def test_ikgat_method_matches_the_checkpoint_metrics(cmu_shards, tiny_ikgat_run):
   ds = data.load_shards(cmu_shards, 'val')
   r = _run(evaluation.make_method('ikgat', ds.rig, checkpoint=tiny_ikgat_run), cmu_shards)
-  _, meta = train.load_model(tiny_ikgat_run)
+  _, meta = inference.load_model(tiny_ikgat_run)
   np.testing.assert_allclose(r['local_rot_err_deg'], meta['metrics']['local_rot_err_deg'],
                              rtol=1e-4)
 
@@ -50,14 +50,31 @@ def test_max_frames_keeps_files_contiguous(cmu_shards):
 
 
 def test_iterative_with_prior_cold_and_warm(cmu_shards, tiny_prior_run):
+  """On 24 real val frames the latent solver (the tiny prior, 30 iterations; warm: 10 per frame
+  after each window's cold first frame) brings the joints well inside the mean-pose floor on
+  the same frames, warm start closer than cold.
+
+  Measured (CPU): mean pose 122.7 mm / 13.4 deg; cold 83.2 mm / 13.6 deg; warm 58.9 mm /
+  14.2 deg. Bounds keep a 2x margin on each reduction of the floor's MPJPE: cold 32% halved is
+  16% (< 0.84x), warm 52% halved 26% (< 0.74x). The local rotation error (a 20-step prior is
+  barely better than the mean pose there: 1.06x the floor) must stay under 2x the floor.
+  """
   ds = data.load_shards(cmu_shards, 'val')
+  floor = _run(evaluation.make_method('mean_pose', ds.rig,
+                                      train_data=data.load_shards(cmu_shards, 'train')),
+               cmu_shards, max_frames=24)
   solver = iterative_ik.SolverConfig(iters=30, warm_iters=10, window=8)
+  res = {}
   for warm in (False, True):
     m = evaluation.make_method('iterative', ds.rig, prior=tiny_prior_run, solver=solver,
                                warm_start=warm)
-    r = _run(m, cmu_shards, max_frames=24)
-    assert r['frames'] == 24 and np.isfinite(r['local_rot_err_deg'])
-    assert r['settings']['warm_start'] is warm
+    r = res[warm] = _run(m, cmu_shards, max_frames=24)
+    assert r['frames'] == 24 and r['settings']['warm_start'] is warm
+    assert r['local_rot_err_deg'] < 2.0 * floor['local_rot_err_deg'], (r, floor)
+  cold, warm = res[False]['mpjpe_mm'], res[True]['mpjpe_mm']
+  assert cold < 0.84 * floor['mpjpe_mm'], (cold, floor['mpjpe_mm'])
+  assert warm < 0.74 * floor['mpjpe_mm'], (warm, floor['mpjpe_mm'])
+  assert warm < cold
 
 
 def test_prior_checkpoint_refused_as_ikgat(cmu_shards, tiny_prior_run):
@@ -66,13 +83,56 @@ def test_prior_checkpoint_refused_as_ikgat(cmu_shards, tiny_prior_run):
     evaluation.make_method('ikgat', ds.rig, checkpoint=tiny_prior_run)
 
 
-def test_prior_report_fields(cmu_shards, tiny_prior_run):
-  model, meta = train.load_model(tiny_prior_run, task=prior_task.PRIOR_TASK)
-  tr, val = data.load_shards(cmu_shards, 'train'), data.load_shards(cmu_shards, 'val')
+def _nearest_train_deg(poses, train_poses):
+  """numpy: mean over `poses [S, K, 3, 3]` of the min over `train_poses [N, K, 3, 3]` of the
+  mean geodesic angle over the K joints, in degrees (what the prior report calls realism)."""
+  a = np.asarray(poses, np.float64).reshape(len(poses), -1, 9)
+  b = np.asarray(train_poses, np.float64).reshape(len(train_poses), -1, 9)
+  cos = np.clip(0.5 * (np.einsum('skd,tkd->stk', a, b) - 1.0), -1.0, 1.0)
+  return float(np.degrees(np.arccos(cos).mean(-1).min(1)).mean())
+
+
+def test_prior_report_numbers(cmu_shards, tiny_prior_run):
+  """The prior report (prior_task.evaluate_prior) of the tiny prior, each number against what
+  must hold. Measured (CPU): reconstruction 12.26 deg / 110.7 mm against the mean pose's
+  12.51 deg / 112.3 mm; 8 of 8 active dims (KL 0.013-0.046); samples 10.8 deg from the nearest
+  training pose, val poses 3.89 deg, uniformly random poses 122 deg."""
   import ml_collections
+  from scipy.spatial.transform import Rotation
+  model, meta = inference.load_model(tiny_prior_run, task=prior_task.PRIOR_TASK)
+  tr, val = data.load_shards(cmu_shards, 'train'), data.load_shards(cmu_shards, 'val')
   rep = prior_task.evaluate_prior(model, tr, val, tr.rig, ml_collections.ConfigDict(meta['config']))
-  assert 0 <= rep['active_dims'] <= 8 and rep['latent'] == 8
-  assert rep['sample_to_nearest_train_deg'] > 0 and rep['val_to_nearest_train_deg'] > 0
+  # Reconstruction: the trainer's own validation of this checkpoint (same val frames, the one
+  # metrics module), and better than predicting the training mean pose. The prior starts at the
+  # mean (its standardisation), so beating the floor at all says it learned; the margin is
+  # small after 20 steps (2%), so the bound is the floor itself.
+  recon = rep['val_reconstruction']
+  for key in ('local_rot_err_deg', 'mpjpe_mm', 'global_rot_err_deg'):
+    np.testing.assert_allclose(recon[key], meta['metrics'][key], rtol=1e-5, err_msg=key)
+  floor = evaluation.evaluate(evaluation.make_method('mean_pose', tr.rig, train_data=tr), val,
+                              val.rig)
+  assert floor['frames'] == len(val.positions)
+  assert recon['local_rot_err_deg'] < floor['local_rot_err_deg'], (recon, floor)
+  assert recon['mpjpe_mm'] < floor['mpjpe_mm'], (recon, floor)
+  # Active dimensions: the count of per-dimension KLs over the DESIGN threshold (0.01).
+  kl = np.asarray(rep['kl_per_dim'])
+  assert rep['latent'] == 8 and kl.shape == (8,) and (kl >= 0).all()
+  assert rep['active_dims'] == int((kl > 0.01).sum())
+  # Realism. Val poses to the nearest training pose is a known answer (no model in it): the
+  # same frames recomputed here in float64.
+  t_idx = inference.eval_indices(len(tr.local_rot), 8192)
+  v_idx = inference.eval_indices(len(val.local_rot), 1000)
+  train_poses = np.asarray(tr.local_rot)[t_idx][:, 1:]
+  np.testing.assert_allclose(rep['val_to_nearest_train_deg'],
+                             _nearest_train_deg(np.asarray(val.local_rot)[v_idx][:, 1:],
+                                                train_poses), atol=0.02)
+  # Samples: near the training poses (bound 25 deg: the measured 10.8 doubled, rounded up),
+  # far from what uniformly random joint rotations give (computed: ~122 deg).
+  K = train_poses.shape[1]
+  random_poses = Rotation.random(200 * K, random_state=0).as_matrix().reshape(200, K, 3, 3)
+  random_deg = _nearest_train_deg(random_poses, train_poses)
+  assert random_deg > 90.0
+  assert 0.0 < rep['sample_to_nearest_train_deg'] < 25.0, rep['sample_to_nearest_train_deg']
 
 
 def test_cli_bad_split_is_one_line_nonzero(cmu_shards, tmp_path):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from ik_gat_jax import inference
 from ik_gat_jax import input_pipeline
 from ik_gat_jax import model as model_lib
 from ik_gat_jax import skeleton
@@ -148,7 +149,7 @@ def test_shipped_checkpoint_output_unchanged():
   allow 4 x (2 e32), at least 1e-6; a real change of the model's function moves entries by far
   more (0.01 deg of one joint = 2e-4)."""
   from ik_gat_jax import train
-  model, _ = train.load_model(SHIPPED)
+  model, _ = inference.load_model(SHIPPED)
   golden = np.load(GOLDEN)
   out32 = np.asarray(jax.jit(lambda p: model(p, deterministic=True))(golden['positions']))
   with jax.enable_x64(True):
@@ -217,7 +218,7 @@ def _save(model, config, rig, path):
   _, params, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
   checkpointing.Checkpointer(path, max_to_keep=1).save(
       0, {'params': params, 'rest': rest},
-      train.checkpoint_meta(config, rig, train.IKGAT_TASK, {}, {}))
+      train.checkpoint_meta(config, rig, inference.IKGAT_TASK, {}, {}))
 
 
 def test_solver_nan_joints_are_missing(rig, tmp_path):
@@ -226,7 +227,7 @@ def test_solver_nan_joints_are_missing(rig, tmp_path):
   from ik_gat_jax.solver import IKSolver, InputError
   config = test_config.get_config()
   config.model.update(joint_mask=True, orientation_inputs=('Head',))
-  model = train.IKGAT_TASK.build(config, rig, nnx.Rngs(0), None)
+  model = inference.IKGAT_TASK.build(config, rig, nnx.Rngs(0), None)
   _save(model, config, rig, tmp_path / 'masked')
   solver = IKSolver.from_checkpoint(tmp_path / 'masked')
   pos = np.asarray(_batch(rig, 4)['positions'])
@@ -243,7 +244,7 @@ def test_solver_nan_joints_are_missing(rig, tmp_path):
     solver.solve(holes, estimate_lengths=True)
   # A checkpoint without masks: NaN keeps its error; a mask or orientations are refused.
   plain_cfg = test_config.get_config()
-  _save(train.IKGAT_TASK.build(plain_cfg, rig, nnx.Rngs(0), None), plain_cfg, rig,
+  _save(inference.IKGAT_TASK.build(plain_cfg, rig, nnx.Rngs(0), None), plain_cfg, rig,
         tmp_path / 'plain')
   plain = IKSolver.from_checkpoint(tmp_path / 'plain')
   with pytest.raises(InputError, match='NaN'):

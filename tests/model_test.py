@@ -1,5 +1,6 @@
-"""IK-GAT and dense networks: the ablation grid, yaw equivariance, the observed-direction head,
-output-space conversions, parameter counts, config round trips, and no retracing under jit."""
+"""IK-GAT and dense networks: the ablation grid (a covering subset trained on real frames), yaw
+equivariance, the observed-direction head, output-space conversions, parameter counts, config
+round trips, and no retracing under jit."""
 
 import itertools
 import json
@@ -9,11 +10,12 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from scipy.spatial.transform import Rotation as SciRot
 
-from ik_gat_jax import bone_frames, kinematics, model, skeleton
+from ik_gat_jax import bone_frames, data, input_pipeline, kinematics, losses, model, skeleton
 
 RIG = skeleton.cmu_body()
 J = RIG.num_joints
@@ -65,6 +67,61 @@ def test_every_variant_builds_and_emits_rotations(arch, adjacency, aggregation, 
   R = m(X, deterministic=True)
   assert R.shape == (4, J, 3, 3)
   _assert_rotations(R)
+
+
+# A covering subset of that grid, trained: every architecture, output space and aggregation, both
+# settings of the observed-direction head and of heading canonicalisation, adjacency tree and
+# full (the directed masks are other constants in the same graph). One compile per variant.
+LEARNING_VARIANTS = (
+    dict(arch='ikgat', output_space='bone_aligned', observed_direction_head=True,
+         heading_canonicalization=True),
+    dict(arch='ikgat', adjacency='full', aggregation='mean', output_space='local'),
+    dict(arch='mlp', output_space='global', heading_canonicalization=True),
+    dict(arch='transformer', output_space='mixed', observed_direction_head=True),
+)
+LEARN_STEPS = 40
+
+
+@pytest.fixture(scope='module')
+def real_batch(cmu_shards):
+  """`(rig, batch)`: 32 frames evenly spaced over the session's real training shards."""
+  ds = data.load_shards(cmu_shards, 'train')
+  idx = np.linspace(0, len(ds.positions) - 1, 32).round().astype(np.int64)
+  return ds.rig, {k: jnp.asarray(v) for k, v in input_pipeline.gather_batch(ds, idx).items()}
+
+
+@pytest.mark.parametrize('variant', LEARNING_VARIANTS,
+                         ids=lambda v: '-'.join(str(x) for x in v.values()))
+def test_variant_learns_on_real_frames(variant, real_batch):
+  """40 Adam steps (lr 3e-3, one jitted lax.scan) on 32 real CMU frames cut the training loss
+  (losses.ikgat_loss, alpha 0.1) below 0.7x its initial value and below 0.65 (rad + 0.1 dm).
+
+  Measured (CPU, seed 0), final / initial: 0.15, 0.44, 0.23, 0.12 (final 0.19, 0.31, 0.24,
+  0.11) in the order of LEARNING_VARIANTS. The bounds keep a 2x margin on the worst variant:
+  its 56% reduction halved is 28% (ratio 0.72, rounded down to 0.7), its final loss doubled
+  0.63 (rounded to 0.65). An untrained or non-learning variant stays at ratio ~1.
+  """
+  rig, batch = real_batch
+  cfg = model.ModelConfig(size='tiny', **variant)
+  graphdef, params, rest = nnx.split(model.create_model(cfg, rig, nnx.Rngs(0)), nnx.Param, ...)
+  tx = optax.adam(3e-3)
+
+  def loss_fn(p):
+    pred = nnx.merge(graphdef, p, rest)(batch['positions'], deterministic=True)
+    return jnp.mean(losses.ikgat_loss(pred, batch, rig, cfg.output_space, alpha=0.1)[0])
+
+  @jax.jit
+  def fit(p):
+    def step(carry, _):
+      p, opt_state = carry
+      loss, grads = jax.value_and_grad(loss_fn)(p)
+      updates, opt_state = tx.update(grads, opt_state, p)
+      return (optax.apply_updates(p, updates), opt_state), loss
+    (p, _), trace = jax.lax.scan(step, (p, tx.init(p)), None, length=LEARN_STEPS)
+    return trace[0], loss_fn(p)
+
+  initial, final = (float(x) for x in fit(params))
+  assert np.isfinite(initial) and final < 0.7 * initial and final < 0.65, (initial, final)
 
 
 @pytest.mark.parametrize('extra', [dict(scoring='gatv2'), dict(scoring='dot'),

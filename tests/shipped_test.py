@@ -6,22 +6,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ik_gat_jax import checkpointing, data, evaluation, prior_task, skeleton, train
+from ik_gat_jax import checkpointing, data, evaluation, inference, prior_task, skeleton
 
 SHIPPED = Path(__file__).resolve().parents[1] / 'checkpoints'
 
 
 def test_shipped_models_load_from_the_repo_alone():
-  model, meta = train.load_model(SHIPPED / 'ikgat_base')
+  model, meta = inference.load_model(SHIPPED / 'ikgat_base')
   assert meta['rig']['name'] == 'cmu_body' and model.config.size == 'base'
   assert 'mocap.cs.cmu.edu' in (SHIPPED / 'ikgat_base' / 'README.md').read_text()
-  prior, pmeta = train.load_model(SHIPPED / 'prior', task=prior_task.PRIOR_TASK)
+  prior, pmeta = inference.load_model(SHIPPED / 'prior', task=prior_task.PRIOR_TASK)
   assert prior.config.latent == 32 and pmeta['config']['prior_stats']['mean']
 
 
 def test_a_checkpoint_for_another_rig_is_refused():
   with pytest.raises(checkpointing.CheckpointError, match="not 'smpl22'"):
-    train.load_model(SHIPPED / 'ikgat_base', expected_rig=skeleton.smpl22())
+    inference.load_model(SHIPPED / 'ikgat_base', expected_rig=skeleton.smpl22())
 
 
 def test_shipped_ikgat_reproduces_its_unseen_subject_metrics(cmu_dir, tmp_path):

@@ -13,8 +13,8 @@ import re
 import numpy as np
 import pytest
 
-from ik_gat_jax import train
-from ik_gat_jax.evaluation import SHIPPED_IKGAT
+from ik_gat_jax import inference
+from ik_gat_jax.inference import SHIPPED_IKGAT
 from ik_gat_jax.skeleton import rest_positions_np
 from ik_gat_jax.solver import (IKSolver, InputError, bucket_sizes, check_offsets,
                                check_positions, parse_input_axes, parse_units)
@@ -23,7 +23,7 @@ from ik_gat_jax.solver import (IKSolver, InputError, bucket_sizes, check_offsets
 @pytest.fixture(scope='module')
 def loaded():
   """The shipped model and its meta, loaded once; solvers built from it compile nothing."""
-  return train.load_model(SHIPPED_IKGAT)
+  return inference.load_model(SHIPPED_IKGAT)
 
 
 @pytest.fixture(scope='module')

@@ -16,6 +16,7 @@ from experiments.configs import test as test_config
 import ik_gat_jax
 from ik_gat_jax import checkpointing
 from ik_gat_jax import evaluation
+from ik_gat_jax import inference
 from ik_gat_jax import rotations
 from ik_gat_jax import skeleton
 from ik_gat_jax import solver as solver_lib
@@ -34,12 +35,12 @@ def tiny_checkpoint(tmp_path_factory, rig_name: str = 'cmu_body'):
   if rig_name not in _CHECKPOINTS:
     config = test_config.get_config()
     rig = skeleton.get_rig(rig_name)
-    model = train.IKGAT_TASK.build(config, rig, nnx.Rngs(0), None)
+    model = inference.IKGAT_TASK.build(config, rig, nnx.Rngs(0), None)
     _, params, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
     path = tmp_path_factory.mktemp(f'ckpt_{rig_name}')
     checkpointing.Checkpointer(path, max_to_keep=1).save(
         0, {'params': params, 'rest': rest},
-        train.checkpoint_meta(config, rig, train.IKGAT_TASK, {}, {}))
+        train.checkpoint_meta(config, rig, inference.IKGAT_TASK, {}, {}))
     _CHECKPOINTS[rig_name] = path
   return _CHECKPOINTS[rig_name]
 
@@ -275,7 +276,7 @@ def test_checkpoint_for_another_rig(tmp_path_factory, solver):
 
 
 def test_missing_shipped_default(monkeypatch, tmp_path):
-  monkeypatch.setattr(evaluation, 'SHIPPED_IKGAT', tmp_path / 'nope')
+  monkeypatch.setattr(inference, 'SHIPPED_IKGAT', tmp_path / 'nope')
   with pytest.raises(CheckpointError, match='shipped default .* does not exist yet'):
     IKSolver.from_checkpoint(None)
 

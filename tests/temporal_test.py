@@ -189,7 +189,7 @@ def test_solver_clip_and_stream_filter_on_a_noisy_real_clip(cmu_dir):
 def test_trainer_validation_logs_jitter_of_whole_clips_only():
   import types
   import ml_collections
-  from ik_gat_jax import skeleton, train
+  from ik_gat_jax import inference, skeleton
   rig = skeleton.get_rig('cmu_body')
   T, J = 12, rig.num_joints
   true = np.repeat(_noisy_clip(T=T, J=1, seed=4), J, axis=1)
@@ -199,9 +199,9 @@ def test_trainer_validation_logs_jitter_of_whole_clips_only():
            'bone_frames': np.repeat(np.eye(3)[None, None], T, 0).repeat(J, 1).astype(np.float32),
            'positions': np.zeros((T, J, 3), np.float32)}
   config = ml_collections.ConfigDict({'temporal': ONE_EURO.to_dict()})
-  out = train._validate_temporal(pred, batch, data, np.arange(T), config, rig)
+  out = inference._validate_temporal(pred, batch, data, np.arange(T), config, rig)
   assert out['jitter_samples'] == T - 2 and out['filtered_jitter_deg_s2'] < out['jitter_deg_s2']
   assert np.isclose(out['jitter_ratio'], out['jitter_deg_s2'] / out['gt_jitter_deg_s2'])
   spaced = np.arange(0, T, 2)  # an evenly spaced subset: no consecutive frames, no jitter
   sub = {k: v[spaced] for k, v in batch.items()}
-  assert train._validate_temporal(pred[spaced], sub, data, spaced, config, rig) == {}
+  assert inference._validate_temporal(pred[spaced], sub, data, spaced, config, rig) == {}

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from experiments.configs import test as test_config
-from ik_gat_jax import checkpointing, data, input_pipeline, metrics, train
+from ik_gat_jax import checkpointing, data, inference, input_pipeline, metrics, train
 
 
 def _config(shards, **train_overrides):
@@ -51,8 +51,8 @@ def test_overfit_300_frames_of_07_01_no_retrace(overfit_shards):
   ds = data.load_shards(overfit_shards, 'train')
   batch = _fixed_batch(ds, 300)
   assert len(batch['positions']) == 300
-  graphdef, state = train.init_state(train.IKGAT_TASK, c, ds.rig, ds)
-  step = train.make_train_step(train.IKGAT_TASK, graphdef, c, ds.rig)
+  graphdef, state = train.init_state(inference.IKGAT_TASK, c, ds.rig, ds)
+  step = train.make_train_step(inference.IKGAT_TASK, graphdef, c, ds.rig)
   traced = chex.assert_max_traces(n=1)  # the step compiles once for all 900 calls
   step = jax.jit(traced(step.__wrapped__), donate_argnums=0)
   losses = []
@@ -60,7 +60,7 @@ def test_overfit_300_frames_of_07_01_no_retrace(overfit_shards):
     state, m = step(state, batch)
     losses.append(float(m['loss']))
   assert losses[2] < losses[1]  # one step lowers the loss (step 0 has warm-up lr 0)
-  predict = train.make_predict(train.IKGAT_TASK, graphdef, c, ds.rig)
+  predict = train.make_predict(inference.IKGAT_TASK, graphdef, c, ds.rig)
   pred = np.asarray(predict(state, batch))
   err = metrics.frame_errors(jnp.asarray(pred), batch['local_rot'], batch['offsets'],
                              batch['bone_frames'], batch['positions'], ds.rig)
@@ -77,7 +77,7 @@ def _interrupt_at(step_to_stop):
 
 def _latest_state(workdir, config, rig, ds):
   """The full `checkpoints/latest` state (params, rest, optimizer state, step) and its step."""
-  _, template = train.init_state(train.IKGAT_TASK, config, rig, ds)
+  _, template = train.init_state(inference.IKGAT_TASK, config, rig, ds)
   ckpt = checkpointing.Checkpointer(workdir / 'checkpoints' / 'latest', create=False)
   state, meta = ckpt.restore(checkpointing.abstract_like(train.saved_part(template)))
   return state, meta, ckpt.latest_step()
@@ -114,13 +114,13 @@ def test_resume_equals_uninterrupted_and_checkpoint_round_trip(cmu_shards, tmp_p
   # The optimizer state moved (Adam moments are not all zero), so the comparison means something.
   assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(sa['opt_state'])
              if np.asarray(x).dtype.kind == 'f')
-  a, meta_a = train.load_model(tmp_path / 'straight')
+  a, meta_a = inference.load_model(tmp_path / 'straight')
   assert meta_a['rig']['name'] == 'cmu_body' and 'local_rot_err_deg' in meta_a['metrics']
   assert meta_a['provenance']['jax_version'] == jax.__version__
   # The restored model predicts what the metrics in its checkpoint say it does.
   ds = data.load_shards(cmu_shards, 'val')
-  val = train.validate_local_rotations(
-      jax.jit(lambda b: train.ikgat_infer(a, b)), ds, ml_collections.ConfigDict(meta_a['config']),
+  val = inference.validate_local_rotations(
+      jax.jit(lambda b: inference.ikgat_infer(a, b)), ds, ml_collections.ConfigDict(meta_a['config']),
       ds.rig)
   np.testing.assert_allclose(val['local_rot_err_deg'], meta_a['metrics']['local_rot_err_deg'],
                              rtol=1e-4)
@@ -128,10 +128,10 @@ def test_resume_equals_uninterrupted_and_checkpoint_round_trip(cmu_shards, tmp_p
 
 def test_checkpoint_errors_are_clear(cmu_shards, tmp_path):
   with pytest.raises(checkpointing.CheckpointError, match='no checkpoint'):
-    train.load_model(tmp_path / 'nothing')
+    inference.load_model(tmp_path / 'nothing')
   (tmp_path / 'empty').mkdir()
   with pytest.raises(checkpointing.CheckpointError, match='no checkpoint found'):
-    train.load_model(tmp_path / 'empty')
+    inference.load_model(tmp_path / 'empty')
 
 
 def test_ctrl_c_mid_run_saves_and_resumes(cmu_shards, tmp_path):

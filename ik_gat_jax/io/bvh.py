@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from ik_gat_jax.io import atomic
 
 from ik_gat_jax import skeleton
 
@@ -473,22 +474,8 @@ def _format_joint(joints: list[BVHJoint], j: int, depth: int, out: list[str]) ->
 
 
 def write_bvh(path: str | os.PathLike, motion: BVHMotion, *, precision: int | None = 6) -> None:
-  """Writes ``format_bvh(motion, precision)`` to ``path`` atomically (temp file + os.replace)."""
-  path = os.fspath(path)
-  text = format_bvh(motion, precision)
-  directory = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-      f.write(text)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
+  """Writes ``format_bvh(motion, precision)`` to ``path`` atomically (``io.atomic``)."""
+  atomic.write_text(path, format_bvh(motion, precision))
 
 
 def _check_writable_order(motion: BVHMotion) -> None:

@@ -46,10 +46,10 @@ import numpy as np
 from ik_gat_jax import bone_frames as bone_frames_lib
 from ik_gat_jax import rotations
 from ik_gat_jax.errors import ConversionError, InputError
+from ik_gat_jax.io import atomic
 from ik_gat_jax.io import bvh
 from ik_gat_jax.io import retarget
 from ik_gat_jax.io import smpl
-from ik_gat_jax.io.smpl import check_smpl_rig  # noqa: F401  (solve.py: exports.check_smpl_rig)
 from ik_gat_jax.io.units import parse_units
 from ik_gat_jax.skeleton import Rig, depth_first_order
 
@@ -74,23 +74,10 @@ def check_output(path: str | os.PathLike, overwrite: bool) -> Path:
   return path
 
 
-def _temp_beside(path: Path, suffix: str = '') -> Path:
-  fd, tmp = tempfile.mkstemp(dir=path.absolute().parent, prefix=f'.{path.name}.',
-                             suffix='.tmp' + suffix)
-  os.close(fd)
-  return Path(tmp)
-
-
 def write_npz_atomic(path: str | os.PathLike, arrays: dict, overwrite: bool = True) -> None:
-  """`np.savez` to a temp file beside `path`, then `os.replace` (no half-written file)."""
-  path = check_output(path, overwrite)
-  tmp = _temp_beside(path)
-  try:
-    with open(tmp, 'wb') as f:
-      np.savez(f, **arrays)
-    os.replace(tmp, path)
-  finally:
-    tmp.unlink(missing_ok=True)
+  """`np.savez` written atomically (`io.atomic`), refusing an existing file unless
+  `overwrite`."""
+  atomic.write_npz(check_output(path, overwrite), arrays)
 
 
 @contextlib.contextmanager
@@ -104,7 +91,7 @@ def staged(paths: Sequence[str | os.PathLike | None], overwrite: bool) -> Iterat
     if p is None:
       temps.append(None)
     elif p.suffix:
-      temps.append(_temp_beside(p, p.suffix))
+      temps.append(atomic.temp_beside(p, p.suffix))
     else:
       _check_frames_dir(p)
       temps.append(Path(tempfile.mkdtemp(dir=p.absolute().parent, prefix=f'.{p.name}.')))

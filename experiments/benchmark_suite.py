@@ -90,12 +90,14 @@ import numpy as np
 from ik_gat_jax import checkpointing
 from ik_gat_jax import data as data_lib
 from ik_gat_jax import evaluation
+from ik_gat_jax import inference
 from ik_gat_jax import input_pipeline
 from ik_gat_jax import iterative_ik
+from ik_gat_jax import plots
 from ik_gat_jax import provenance
 from ik_gat_jax import rotations
-from ik_gat_jax import train
 from ik_gat_jax.evaluation import Method
+from ik_gat_jax.io import atomic
 from ik_gat_jax.skeleton import Rig
 
 PLOTS = ('pareto.png', 'noise.png', 'per_joint.png', 'throughput.png', 'init.png')
@@ -258,9 +260,7 @@ def _candidates(root: Path, max_depth: int) -> Iterable[Path]:
 
 def read_meta(path: Path) -> dict:
   """The checkpoint meta of a run directory (its `checkpoints/best`) or a checkpoint directory."""
-  if (path / 'checkpoints' / 'best').is_dir():
-    path = path / 'checkpoints' / 'best'
-  return checkpointing.Checkpointer(path, create=False).restore_meta()
+  return checkpointing.Checkpointer(inference.checkpoint_path(path), create=False).restore_meta()
 
 
 def model_name(meta: dict) -> str:
@@ -296,14 +296,14 @@ def discover_checkpoints(root: str | os.PathLike, max_depth: int = 4) -> Found:
 def resolve_checkpoints(checkpoints: str | os.PathLike | None,
                         prior: str | os.PathLike | None) -> Found:
   """`discover_checkpoints(checkpoints)`; `prior` overrides the prior found; the shipped
-  checkpoints (evaluation.SHIPPED_IKGAT / SHIPPED_PRIOR) fill what is missing when they exist."""
+  checkpoints (inference.SHIPPED_IKGAT / SHIPPED_PRIOR) fill what is missing when they exist."""
   found = discover_checkpoints(checkpoints) if checkpoints else Found()
   if prior:
     found.prior = Path(prior)
-  if not found.ikgat and evaluation.SHIPPED_IKGAT.is_dir():
-    found.ikgat[model_name(read_meta(evaluation.SHIPPED_IKGAT))] = evaluation.SHIPPED_IKGAT
-  if found.prior is None and evaluation.SHIPPED_PRIOR.is_dir():
-    found.prior = evaluation.SHIPPED_PRIOR
+  if not found.ikgat and inference.SHIPPED_IKGAT.is_dir():
+    found.ikgat[model_name(read_meta(inference.SHIPPED_IKGAT))] = inference.SHIPPED_IKGAT
+  if found.prior is None and inference.SHIPPED_PRIOR.is_dir():
+    found.prior = inference.SHIPPED_PRIOR
   return found
 
 
@@ -367,7 +367,7 @@ def add_ikgat(ctx: Context, found: Found) -> None:
   """`ikgat_<size>` (and `ikgat_<size>_bf16`) for every IK-GAT checkpoint found."""
   if not found.ikgat:
     ctx.skipped['ikgat'] = ('no IK-GAT checkpoint under --checkpoints and no shipped one at '
-                            f'{evaluation.SHIPPED_IKGAT}')
+                            f'{inference.SHIPPED_IKGAT}')
   for size, path in found.ikgat.items():
     dtypes = ('float32', 'bfloat16') if ctx.config.bf16 else ('float32',)
     for dtype in dtypes:
@@ -434,7 +434,7 @@ def add_iterative(ctx: Context) -> None:
   cfg = ctx.config
   if ctx.prior is None:
     ctx.skipped['iterative'] = ('no pose prior under --checkpoints, no --prior and no shipped '
-                                f'one at {evaluation.SHIPPED_PRIOR}')
+                                f'one at {inference.SHIPPED_PRIOR}')
   else:
     _add(ctx, 'iterative', 'iterative', lambda: iterative_cold(ctx, 'iterative', cfg.iters))
     _add(ctx, 'iterative_identity_root', 'iterative',
@@ -713,12 +713,6 @@ def _finite_or_none(x: Any) -> Any:
   return x
 
 
-def _write_atomic(path: Path, text: str) -> None:
-  tmp = path.with_name(path.name + '.tmp')
-  tmp.write_text(text)
-  os.replace(tmp, path)
-
-
 def run_suite(data_dir: str | os.PathLike, output_dir: str | os.PathLike, config: SuiteConfig,
               found: Found, log: Callable[[str], None] = print, command: str | None = None) -> dict:
   """Runs every section, writes benchmark.json, tables.md and the plots; returns the JSON object.
@@ -756,7 +750,7 @@ def run_suite(data_dir: str | os.PathLike, output_dir: str | os.PathLike, config
   result['bf16'] = bf16_section(result['accuracy'], result['speed'])
   result['ratios'] = ratios_section(ctx, result['speed'], result['block_sweep'], result['pareto'])
   result['provenance'] = provenance.provenance(rig_hash=ctx.rig.fingerprint(),
-                                               **train.data_provenance(ctx.data))
+                                               **provenance.data_provenance(ctx.data))
   result['seconds'] = time.perf_counter() - start
   result['files'] = ['benchmark.json', 'tables.md', *PLOTS]
   result = _finite_or_none(result)
@@ -767,8 +761,8 @@ def run_suite(data_dir: str | os.PathLike, output_dir: str | os.PathLike, config
 
 def write_outputs(result: dict, out_dir: Path) -> None:
   """benchmark.json, tables.md and the PNG plots of a result, each written atomically."""
-  _write_atomic(out_dir / 'benchmark.json', json.dumps(result, indent=1, allow_nan=False))
-  _write_atomic(out_dir / 'tables.md', markdown_report(result))
+  atomic.write_text(out_dir / 'benchmark.json', json.dumps(result, indent=1, allow_nan=False))
+  atomic.write_text(out_dir / 'tables.md', markdown_report(result))
   write_plots(result, out_dir)
 
 
@@ -950,26 +944,11 @@ def markdown_report(r: dict) -> str:
 # Plots (matplotlib, Agg), rebuilt from the JSON object alone.
 
 
-def _pyplot():
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-  return plt
-
-
-def _save(fig, path: Path) -> None:
-  tmp = path.with_name(path.name + '.tmp.png')
-  fig.tight_layout()
-  fig.savefig(tmp, dpi=110)
-  _pyplot().close(fig)
-  os.replace(tmp, path)
-
-
 _MARKERS = {'ikgat': '*', 'ikgat_bf16': 'P', 'floor': 'X'}
 
 
 def plot_pareto(r: dict, path: Path) -> None:
-  plt = _pyplot()
+  plt = plots.pyplot()
   fig, ax = plt.subplots(figsize=(7.5, 5))
   for fam in dict.fromkeys(p['family'] for p in r['pareto']):
     pts = [p for p in r['pareto'] if p['family'] == fam]
@@ -992,11 +971,11 @@ def plot_pareto(r: dict, path: Path) -> None:
          title='Accuracy vs time: iterative budgets (numbers = iterations) and IK-GAT')
   ax.grid(True, which='both', alpha=0.3)
   ax.legend(fontsize=8)
-  _save(fig, path)
+  plots.save_figure(fig, path, tight=True)
 
 
 def plot_noise(r: dict, path: Path) -> None:
-  plt = _pyplot()
+  plt = plots.pyplot()
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for name, curve in r['noise'].items():
     ax.plot([c['noise_mm'] for c in curve], [c['local_rot_err_deg'] for c in curve], 'o-',
@@ -1005,7 +984,7 @@ def plot_noise(r: dict, path: Path) -> None:
          title='Robustness to input noise')
   ax.grid(True, alpha=0.3)
   ax.legend(fontsize=8)
-  _save(fig, path)
+  plots.save_figure(fig, path, tight=True)
 
 
 def _grouped_bars(ax, groups: list[str], series: dict[str, list[float]]) -> None:
@@ -1018,7 +997,7 @@ def _grouped_bars(ax, groups: list[str], series: dict[str, list[float]]) -> None
 
 
 def plot_per_joint(r: dict, path: Path) -> None:
-  plt = _pyplot()
+  plt = plots.pyplot()
   acc = r['accuracy']
   joints = list(next(iter(acc.values()))['per_joint'])
   fig, ax = plt.subplots(figsize=(max(10, 0.7 * len(joints)), 5))
@@ -1026,11 +1005,11 @@ def plot_per_joint(r: dict, path: Path) -> None:
                              for n, a in acc.items()})
   ax.set(ylabel='local rotation error (deg)', title='Per joint')
   ax.legend(fontsize=7, ncol=2)
-  _save(fig, path)
+  plots.save_figure(fig, path, tight=True)
 
 
 def plot_throughput(r: dict, path: Path) -> None:
-  plt = _pyplot()
+  plt = plots.pyplot()
   fig, ax = plt.subplots(figsize=(7.5, 5))
   for name, s in r['speed'].items():
     pts = [(1, s['latency']['frames_per_s'])] + [
@@ -1047,11 +1026,11 @@ def plot_throughput(r: dict, path: Path) -> None:
          ylabel='frames per second', title='Latency (batch 1) and batched throughput')
   ax.grid(True, which='both', alpha=0.3)
   ax.legend(fontsize=7)
-  _save(fig, path)
+  plots.save_figure(fig, path, tight=True)
 
 
 def plot_init(r: dict, path: Path) -> None:
-  plt = _pyplot()
+  plt = plots.pyplot()
   init = r['init_robustness']
   inits = list(dict.fromkeys(k for v in init.values() for k in v))
   fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -1059,7 +1038,7 @@ def plot_init(r: dict, path: Path) -> None:
                             for fam, v in init.items()})
   ax.set(ylabel='local rotation error (deg)', title='Iterative IK from different initial poses')
   ax.legend(fontsize=8)
-  _save(fig, path)
+  plots.save_figure(fig, path, tight=True)
 
 
 def write_plots(r: dict, out_dir: Path) -> None:

@@ -1,0 +1,187 @@
+"""Inference: model families as `Task`s, loading trained checkpoints, the IK-GAT forward.
+
+Everything that turns a checkpoint into predictions, with no optimizer in sight: the solver,
+evaluation, the benchmark and the pose prior import this module; only the trainer (`train.py`,
+imported by the mains and tests) adds optimisation on top. Also here: where the shipped
+checkpoints live, and the one rule that maps a training workdir to its best checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from ik_gat_jax import checkpointing
+from ik_gat_jax import input_pipeline
+from ik_gat_jax import iterative_ik
+from ik_gat_jax import losses
+from ik_gat_jax import metrics
+from ik_gat_jax import model as model_lib
+from ik_gat_jax import temporal
+from ik_gat_jax.errors import CheckpointError
+from ik_gat_jax.skeleton import Rig
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_IKGAT = REPO / 'checkpoints' / 'ikgat_base'
+SHIPPED_PRIOR = REPO / 'checkpoints' / 'prior'
+
+
+def checkpoint_path(path: str | os.PathLike) -> Path:
+  """A training workdir -> its `checkpoints/best`; a checkpoint directory -> itself."""
+  path = Path(path)
+  best = path / 'checkpoints' / 'best'
+  return best if best.is_dir() else path
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """What the trainer needs from a model family.
+
+  build(config, rig, rngs, train_data) -> nnx.Module.
+  loss(model, batch, key, config, rig) -> (per-example loss [B], {name: [B]}), jittable; the
+    batch is `input_pipeline.gather_batch`'s dict, augmentation is the task's business.
+  validate(predict, data, config, rig) -> flat dict of floats (must hold `best_metric`);
+    `predict(batch_dict) -> outputs` is the jitted deterministic forward of `infer`.
+  infer(model, batch, config, rig) -> outputs used by `validate` (jittable, deterministic).
+  """
+  name: str
+  build: Callable[..., nnx.Module]
+  loss: Callable[..., tuple[jax.Array, dict]]
+  infer: Callable[..., Any]
+  validate: Callable[..., dict]
+  best_metric: str
+
+
+# ----------------------------------------------------------------------------------------------
+# IK-GAT as a task.
+
+
+def _ikgat_build(config, rig: Rig, rngs: nnx.Rngs, train_data) -> nnx.Module:
+  del train_data
+  return model_lib.create_model(model_lib.ModelConfig.from_dict(config.model), rig, rngs)
+
+
+def _ikgat_loss(model, batch, key, config, rig):
+  batch = input_pipeline.augment(batch, key, config.augment, rig)
+  pred = model(batch['input_positions'], deterministic=False,
+               **model_lib.extra_inputs(batch, model.config))
+  return losses.ikgat_loss(pred, batch, rig, model.config.output_space, config.loss.alpha)
+
+
+def ikgat_infer(model, batch, config=None, rig=None,
+                refine: iterative_ik.SolverConfig | None = None) -> jax.Array:
+  """The one IK-GAT forward: deterministic, to local rotations `[B, J, 3, 3]` (batch:
+  positions, bone_frames; optional joint_mask, orientations, orientation_mask, end_sites,
+  end_site_mask where the model takes them). `refine` (amortized + refine, G1) adds that many
+  anchored iterations of the rotation solver from the network's output; it needs
+  `batch['offsets'] [B or 1, J, 3]` and every joint."""
+  del config
+  rig = rig or model.rig
+  pred = model(batch['positions'], deterministic=True,
+               **model_lib.extra_inputs(batch, model.config))
+  local = model_lib.to_local(pred, batch['bone_frames'], rig, model.config.output_space)
+  if refine is not None:
+    local = iterative_ik.refine_rotations(
+        local.astype(jnp.float32), batch['positions'].astype(jnp.float32),
+        batch['offsets'].astype(jnp.float32), rig, refine)[0]
+  return local
+
+
+def validate_local_rotations(predict, data, config, rig: Rig) -> dict:
+  """Metrics of predicted local rotations on (a fixed subset of) `data`; flat dict of floats."""
+  idx = eval_indices(len(data.positions), config.train.val_frames)
+  batch = input_pipeline.gather_batch(data, idx)
+  pred = predict_in_chunks(predict, batch, config.train.eval_batch_size)
+  errors = metrics.compute_errors_batched(pred, batch['local_rot'], batch['offsets'],
+                                          batch['bone_frames'], batch['positions'], rig)
+  s = metrics.summarize(errors, rig)
+  flat = {k: v for k, v in s.items() if isinstance(v, float)}
+  flat.update({f'local_rot_err_deg_{c}': v for c, v in s['local_rot_err_deg_by_class'].items()})
+  flat.update(_validate_temporal(pred, batch, data, idx, config, rig))
+  return flat
+
+
+def _validate_temporal(pred, batch, data, idx, config, rig: Rig) -> dict:
+  """Jitter of the predictions vs the truth (issue G3), where the validation frames hold whole
+  runs of consecutive frames (val_frames >= the split: CMU's val); with `config.temporal` set,
+  also the filtered error and jitter. {} when no three consecutive frames are evaluated."""
+  file_ids, frame_index = np.asarray(data.file_id[idx]), np.asarray(data.frame_index[idx])
+  jit = metrics.jitter_summary(pred, batch['local_rot'], file_ids, data.fps, rig, frame_index)
+  out = {k: v for k, v in jit.items() if k != 'per_joint_jitter'}
+  section = config.get('temporal')
+  filt = temporal.FilterConfig.from_dict(section.to_dict() if section is not None else None)
+  if jit and filt.active:
+    pred = temporal.filter_clips(pred, file_ids, filt, data.fps, frame_index)
+    errors = metrics.compute_errors_batched(pred, batch['local_rot'], batch['offsets'],
+                                            batch['bone_frames'], batch['positions'], rig)
+    out['filtered_local_rot_err_deg'] = metrics.summarize(errors, rig)['local_rot_err_deg']
+    out['filtered_jitter_deg_s2'] = metrics.jitter_summary(
+        pred, batch['local_rot'], file_ids, data.fps, rig, frame_index)['jitter_deg_s2']
+  return {k: float(v) for k, v in out.items()}
+
+
+IKGAT_TASK = Task(name='ikgat', build=_ikgat_build, loss=_ikgat_loss, infer=ikgat_infer,
+                  validate=validate_local_rotations, best_metric='local_rot_err_deg')
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation helpers shared by validation, the prior and the benchmark.
+
+
+def eval_indices(n: int, max_frames: int) -> np.ndarray:
+  """A fixed, evenly spaced subset of at most `max_frames` of `n` frames."""
+  if max_frames <= 0 or n <= max_frames:
+    return np.arange(n)
+  return np.linspace(0, n - 1, max_frames).round().astype(np.int64)
+
+
+def predict_in_chunks(predict, batch: dict, chunk: int) -> np.ndarray:
+  """Runs `predict` over a host batch in fixed-size chunks (last one padded: one compile)."""
+  n = len(next(iter(batch.values())))
+  outs = []
+  for start in range(0, n, chunk):
+    part = {k: v[start:start + chunk] for k, v in batch.items()}
+    m = len(part['positions'])
+    if m < chunk and n > chunk:
+      part = {k: np.concatenate([v, np.repeat(v[-1:], chunk - m, 0)]) for k, v in part.items()}
+    outs.append(np.asarray(predict(part))[:m])
+  return np.concatenate(outs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading.
+
+
+def load_model(checkpoint_dir: str | os.PathLike, task: Task = IKGAT_TASK,
+               expected_rig: Rig | None = None) -> tuple[nnx.Module, dict]:
+  """Restores a trained model (parameters only) and its meta from a checkpoint directory.
+
+  `checkpoint_dir` may be a run's workdir (uses `checkpoints/best`) or a checkpoint directory.
+  """
+  path = checkpoint_path(checkpoint_dir)
+  ckpt = checkpointing.Checkpointer(path, create=False)
+  meta = ckpt.restore_meta()
+  if meta.get('task') != task.name:
+    raise CheckpointError(f'{path} holds a {meta.get("task")!r} model, '
+                                        f'not {task.name!r}')
+  try:
+    rig = Rig.from_json(meta['rig'])
+    config = ml_collections.ConfigDict(meta['config'])
+  except Exception as e:  # valid JSON without a usable rig or config
+    raise CheckpointError(f'checkpoint {path} has unusable metadata (rig, config):'
+                                        f' {checkpointing.one_line(e)}') from e
+  if expected_rig is not None and rig.joint_names != expected_rig.joint_names:
+    raise CheckpointError(
+        f'checkpoint {path} is for rig {rig.name!r} ({rig.num_joints} joints), not '
+        f'{expected_rig.name!r} ({expected_rig.num_joints} joints)')
+  model = task.build(config, rig, nnx.Rngs(0), None)
+  graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+  tree, _ = ckpt.restore(checkpointing.abstract_like({'params': params, 'rest': rest}))
+  return nnx.merge(graphdef, tree['params'], rngs, tree['rest']), meta
