@@ -277,36 +277,34 @@ def tables_markdown(results: dict) -> str:
               f'with several seeds ({multi}; {dof} degrees of freedom); differences from the '
               f'baseline under {_NOISE_SIGMAS.value:g} std ({_NOISE_SIGMAS.value * noise:.2f} '
               'deg) are marked "~" = within seed noise.' if noise is not None else ''), '']
-  header = ('| variant | seeds | local (deg) | vs baseline | root (deg) | twist (deg) | '
-            'swing (deg) | leaves (deg) | MPJPE (mm) | params | MFLOP/frame | '
-            'frames/s (batch 1024) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
+  header = ['variant', 'seeds', 'local (deg)', 'vs baseline', 'root (deg)', 'twist (deg)',
+            'swing (deg)', 'leaves (deg)', 'MPJPE (mm)', 'params', 'MFLOP/frame',
+            'frames/s (batch 1024)']
   for table, title in TABLE_TITLES.items():
     rows = [(BASELINE_LABEL[table], b)] + [
         (variant, _agg(rs)) for (t, variant), rs in groups.items() if t == table]
     if len(rows) == 1:
       continue
-    lines += [f'### {title}', '', header]
+    cells = []
     for label, a in rows:
       d = a['local_rot_err_deg'] - b['local_rot_err_deg']
       mark = '' if a is b else (
           f'{d:+.2f}' + (' ~' if noise is not None and abs(d) < _NOISE_SIGMAS.value * noise
                           else ''))
       std = f' ± {a["std"]:.2f}' if a['std'] is not None else ''
-      lines.append(f'| {label} | {a["seeds"]} | {a["local_rot_err_deg"]:.2f}{std} | {mark} | '
-                   f'{a["root_rot_err_deg"]:.2f} | {a["twist_err_deg"]:.2f} | '
-                   f'{a["swing_err_deg"]:.2f} | {a["local_rot_err_deg_leaf"]:.2f} | '
-                   f'{a["mpjpe_mm"]:.2f} | {a["params"]:,} | '
-                   f'{a["flops_per_frame"] / 1e6:.1f} | {a["forward_frames_per_s"]:,.0f} |')
-    lines.append('')
+      cells.append([label, str(a['seeds']), f'{a["local_rot_err_deg"]:.2f}{std}', mark,
+                    f'{a["root_rot_err_deg"]:.2f}', f'{a["twist_err_deg"]:.2f}',
+                    f'{a["swing_err_deg"]:.2f}', f'{a["local_rot_err_deg_leaf"]:.2f}',
+                    f'{a["mpjpe_mm"]:.2f}', f'{a["params"]:,}',
+                    f'{a["flops_per_frame"] / 1e6:.1f}', f'{a["forward_frames_per_s"]:,.0f}'])
+    lines += [f'### {title}', '', evaluation.markdown_grid(header, cells), '']
   noisy = [(r['variant'], r['noisy_local_rot_err_deg']) for r in results.values()
            if 'noisy_local_rot_err_deg' in r]
   if len(noisy) > 1:
     lines += ['Local error (deg) with Gaussian input noise (sigma per coordinate, seed 0):', '',
-              '| model | ' + ' | '.join(f'{mm} mm' for mm in NOISE_LEVELS_MM) + ' |',
-              '|---|' + '---:|' * len(NOISE_LEVELS_MM)]
-    lines += [f'| {v} | ' + ' | '.join(f'{n[str(mm)]:.2f}' for mm in NOISE_LEVELS_MM) + ' |'
-              for v, n in noisy]
-    lines.append('')
+              evaluation.markdown_grid(['model'] + [f'{mm} mm' for mm in NOISE_LEVELS_MM],
+                                       [[v] + [f'{n[str(mm)]:.2f}' for mm in NOISE_LEVELS_MM]
+                                        for v, n in noisy]), '']
   return '\n'.join(lines)
 
 

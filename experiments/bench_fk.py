@@ -6,6 +6,7 @@ Prints medians (ms) and frames/s of both forms on the cmu_body rig; the faster o
 `kinematics.forward_kinematics` (BENCHMARKS.md quotes a run).
 """
 
+from typing import Sequence
 import time
 
 import jax
@@ -14,6 +15,37 @@ import numpy as np
 from absl import app, flags
 
 from ik_gat_jax import kinematics, rotations, skeleton
+
+def depth_groups(parents: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+  """Joints grouped by tree depth (root first): the per-depth FK's schedule."""
+  depth = []
+  for p in parents:
+    depth.append(0 if p < 0 else depth[p] + 1)
+  return tuple(tuple(j for j, d in enumerate(depth) if d == k) for k in range(max(depth) + 1))
+
+
+def forward_kinematics_by_depth(local_rot: jax.Array, offsets: jax.Array,
+                                parents: Sequence[int],
+                                root_pos: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Same result as `forward_kinematics`, one gather + batched matmul per tree depth.
+
+  The rejected form: this benchmark chose the loop (`kinematics.forward_kinematics`); it lives
+  here, beside the measurement, not in the library.
+  """
+  batch = jnp.broadcast_shapes(local_rot.shape[:-3], offsets.shape[:-2])
+  J = len(parents)
+  G = jnp.broadcast_to(local_rot, batch + (J, 3, 3))
+  off = jnp.broadcast_to(offsets, batch + (J, 3))
+  root = off[..., 0, :] if root_pos is None else jnp.broadcast_to(root_pos, batch + (3,))
+  p = jnp.zeros(batch + (J, 3), G.dtype).at[..., 0, :].set(root)
+  for group in depth_groups(parents)[1:]:
+    g = np.asarray(group)
+    par = np.asarray([parents[j] for j in group])
+    Gp = G[..., par, :, :]
+    p = p.at[..., g, :].set(p[..., par, :] + jnp.einsum('...ab,...b->...a', Gp, off[..., g, :]))
+    G = G.at[..., g, :, :].set(Gp @ G[..., g, :, :])
+  return G, p
+
 
 _BATCH = flags.DEFINE_integer('batch', 16384, 'Frames per call.')
 _REPEATS = flags.DEFINE_integer('repeats', 20, 'Timed calls per variant.')
@@ -37,7 +69,7 @@ def main(argv):
   sixd = jax.random.normal(key, (n, rig.num_joints, 6))
   off = jnp.asarray(rig.template(), jnp.float32)
   forms = {'loop': kinematics.forward_kinematics,
-           'depth': kinematics.forward_kinematics_by_depth}
+           'depth': forward_kinematics_by_depth}
   print(f'FK on {rig.name} ({rig.num_joints} joints), batch {n}, backend {jax.default_backend()}')
   for name, fk in forms.items():
     fwd = jax.jit(lambda x: fk(rotations.matrix_from_sixd(x), off, rig.parents)[1])

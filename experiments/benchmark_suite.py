@@ -770,12 +770,6 @@ def write_outputs(result: dict, out_dir: Path) -> None:
 # Markdown: every table, rebuilt from the JSON object alone.
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-  lines = ['| ' + ' | '.join(header) + ' |',
-           '|' + '|'.join(['---'] + ['---:'] * (len(header) - 1)) + '|']
-  return '\n'.join(lines + ['| ' + ' | '.join(r) + ' |' for r in rows])
-
-
 def _f(x: float | None, fmt: str = '.2f') -> str:
   return '-' if x is None else format(x, fmt)
 
@@ -796,13 +790,13 @@ def _setup_md(r: dict) -> str:
 
 
 def _accuracy_md(results: dict[str, dict], title: str) -> str:
-  lines = [title, '', evaluation.MARKDOWN_HEADER]
+  rows = []
   for name, res in results.items():
-    lines.append(evaluation.markdown_row(res, name))
+    rows.append(evaluation.result_cells(res, name))
     parts = res.get('per_part', {})
     if len(parts) > 1:
-      lines += [evaluation.markdown_row(pr, f'{name} ({part})') for part, pr in parts.items()]
-  return '\n'.join(lines)
+      rows += [evaluation.result_cells(pr, f'{name} ({part})') for part, pr in parts.items()]
+  return f'{title}\n\n' + evaluation.markdown_grid(evaluation.RESULT_COLUMNS, rows)
 
 
 def _by_group_md(accuracy: dict[str, dict], key: str, label: str, title: str) -> str:
@@ -811,7 +805,7 @@ def _by_group_md(accuracy: dict[str, dict], key: str, label: str, title: str) ->
   first = accuracy[names[0]][key]
   rows = [[g, str(first[g]['frames'])] + [_f(accuracy[n][key][g]['local_rot_err_deg'])
                                           for n in names] for g in groups]
-  return f'{title}\n\n' + _table([label, 'frames', *names], rows)
+  return f'{title}\n\n' + evaluation.markdown_grid([label, 'frames', *names], rows)
 
 
 def _pareto_md(r: dict) -> str:
@@ -821,7 +815,7 @@ def _pareto_md(r: dict) -> str:
   batch = r['pareto'][0]['batch'] if r['pareto'] else '-'
   left = 'yes' if r['ratios']['ikgat_left_of_iterative'] else 'no'
   return (f'## Pareto: local error vs time per frame (batch {batch})\n\n'
-          + _table(['point', 'family', 'iters', 'local (deg)', 'MPJPE (mm)', 'ms/frame',
+          + evaluation.markdown_grid(['point', 'family', 'iters', 'local (deg)', 'MPJPE (mm)', 'ms/frame',
                     'frames/s'], rows)
           + f'\n\nEvery IK-GAT point left of every iterative point: {left}.')
 
@@ -837,7 +831,7 @@ def _noise_md(r: dict) -> str:
                       ('mpjpe_mm', 'MPJPE (mm)')):
     rows = [[n] + [_f(c[field]) for c in curve] for n, curve in noise.items()]
     parts.append(f'## Noise: {unit} vs input noise (sigma per coordinate)\n\n'
-                 + _table(header, rows))
+                 + evaluation.markdown_grid(header, rows))
   return '\n\n'.join(parts)
 
 
@@ -847,7 +841,7 @@ def _init_md(r: dict) -> str:
   rows = [[fam] + [f"{_f(v[k]['local_rot_err_deg'])} ({_f(v[k]['root_rot_err_deg'])})"
                    if k in v else '-' for k in inits] for fam, v in init.items()]
   return ('## Initial pose (iterative solvers): local error (root error), deg\n\n'
-          + _table(['solver', *inits], rows))
+          + evaluation.markdown_grid(['solver', *inits], rows))
 
 
 def _per_joint_md(r: dict) -> str:
@@ -855,7 +849,7 @@ def _per_joint_md(r: dict) -> str:
   names = list(acc)
   joints = list(acc[names[0]]['per_joint'])
   rows = [[j] + [_f(acc[n]['per_joint'][j]['local_rot_err_deg']) for n in names] for j in joints]
-  return '## Per joint: local rotation error (deg)\n\n' + _table(['joint', *names], rows)
+  return '## Per joint: local rotation error (deg)\n\n' + evaluation.markdown_grid(['joint', *names], rows)
 
 
 def _percent(x: float | None, of: float | None) -> float | None:
@@ -880,7 +874,7 @@ def _speed_md(r: dict) -> str:
             'GFLOP/s best', '% of matmul']
   cap = r['config']['iterative_batch_cap']
   return (f'## Speed (iterative solvers at {r["config"]["iters"]} iterations, timed up to batch '
-          f'{cap}; % of the float32 matmul\'s GFLOP/s)\n\n' + _table(header, rows))
+          f'{cap}; % of the float32 matmul\'s GFLOP/s)\n\n' + evaluation.markdown_grid(header, rows))
 
 
 def _sweep_md(r: dict) -> str:
@@ -893,7 +887,7 @@ def _sweep_md(r: dict) -> str:
           + [_f(s['blocked'][b]['frames_per_s'], ',.0f') if b in s['blocked'] else '-'
              for b in big] for n, s in sweeps.items()]
   return ('## IK-GAT block-size sweep (frames/s); large batches run in blocks of the best\n\n'
-          + _table(['model', *blocks, 'best block', *[f'{b} in blocks' for b in big]], rows))
+          + evaluation.markdown_grid(['model', *blocks, 'best block', *[f'{b} in blocks' for b in big]], rows))
 
 
 def _bf16_md(r: dict) -> str:
@@ -904,7 +898,7 @@ def _bf16_md(r: dict) -> str:
            _f(v['speedup_batch1'], '.2f'), _f(v['speedup_best'], '.2f')]
           for n, v in r['bf16'].items()]
   return ('## IK-GAT in bfloat16 against float32\n\n'
-          + _table(['model', 'local f32 (deg)', 'local bf16 (deg)', 'change (deg)',
+          + evaluation.markdown_grid(['model', 'local f32 (deg)', 'local bf16 (deg)', 'change (deg)',
                     'MPJPE change (mm)', 'speed-up batch 1', 'speed-up best'], rows))
 
 
@@ -918,7 +912,7 @@ def _ratios_md(r: dict) -> str:
            _f(v['flops_ratio'], '.1f')] for v in pairs.values()]
   batch = next(iter(pairs.values()))['same_batch_size']
   return ('## IK-GAT over iterative IK: frames/s ratios measured in this run\n\n'
-          + _table(['IK-GAT', 'iterative', 'batch 1 ratio', f'batch {batch} ratio',
+          + evaluation.markdown_grid(['IK-GAT', 'iterative', 'batch 1 ratio', f'batch {batch} ratio',
                     'best batched ratio', 'IK-GAT FLOPs/frame', 'iterative FLOPs/frame',
                     'FLOPs ratio'], rows))
 

@@ -18,7 +18,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ from ik_gat_jax import inference
 from ik_gat_jax import input_pipeline
 from ik_gat_jax import iterative_ik
 from ik_gat_jax import metrics
+from ik_gat_jax import padding
 from ik_gat_jax import prior_task
 from ik_gat_jax import provenance
 from ik_gat_jax import temporal
@@ -98,7 +99,7 @@ def run_chunked(solve: Solve, positions: np.ndarray, offsets: np.ndarray,
 
 def _bucket(n: int, window: int) -> int:
   """Clip length padded to a power-of-two number of windows (few distinct compiled shapes)."""
-  return window * (1 << max(math.ceil(n / window) - 1, 0).bit_length())
+  return window * padding.power_of_two(math.ceil(n / window))
 
 
 def run_clips(method: Method, positions: np.ndarray, offsets: np.ndarray,
@@ -376,20 +377,29 @@ def make_method(name: str, rig: Rig, *, train_data=None, checkpoint=None, prior=
   raise ValueError(f'unknown method {name!r}; choose from {", ".join(METHODS)}')
 
 
-def markdown_row(r: dict, label: str | None = None) -> str:
-  return (f"| {label or r['method']} | {r['frames']} | {r['local_rot_err_deg']:.2f} | "
-          f"{r['root_rot_err_deg']:.2f} | {r['global_rot_err_deg']:.2f} | "
-          f"{r['twist_err_deg']:.2f} | {r['swing_err_deg']:.2f} | {r['mpjpe_mm']:.2f} |")
+def markdown_grid(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+  """The one markdown-table renderer: a header row, the first column left-aligned and the
+  others right-aligned, one line per row of cells (strings)."""
+  lines = ['| ' + ' | '.join(header) + ' |',
+           '|' + '|'.join(['---'] + ['---:'] * (len(header) - 1)) + '|']
+  return '\n'.join(lines + ['| ' + ' | '.join(r) + ' |' for r in rows])
 
 
-MARKDOWN_HEADER = ('| method | frames | local (deg) | root (deg) | global (deg) | twist (deg) | '
-                   'swing (deg) | MPJPE (mm) |\n|---|---:|---:|---:|---:|---:|---:|---:|')
+RESULT_COLUMNS = ('method', 'frames', 'local (deg)', 'root (deg)', 'global (deg)', 'twist (deg)',
+                  'swing (deg)', 'MPJPE (mm)')
+
+
+def result_cells(r: dict, label: str | None = None) -> list[str]:
+  """A result JSON's row under `RESULT_COLUMNS`."""
+  return [label or r['method'], str(r['frames'])] + [
+      f'{r[k]:.2f}' for k in ('local_rot_err_deg', 'root_rot_err_deg', 'global_rot_err_deg',
+                               'twist_err_deg', 'swing_err_deg', 'mpjpe_mm')]
 
 
 def markdown_table(result: dict) -> str:
-  lines = [MARKDOWN_HEADER, markdown_row(result)]
-  for part, r in result.get('per_part', {}).items():
-    lines.append(markdown_row(r, f"{result['method']} ({part})"))
+  rows = [result_cells(result)] + [result_cells(r, f"{result['method']} ({part})")
+                                   for part, r in result.get('per_part', {}).items()]
+  lines = [markdown_grid(RESULT_COLUMNS, rows)]
   lines.append(f"\n{result['frames']} frames in {result['seconds']:.2f} s: "
                f"{result['frames_per_s']:,.0f} frames/s (compile {result['compile_seconds']:.1f} s "
                'excluded)')

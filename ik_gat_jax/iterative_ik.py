@@ -455,7 +455,6 @@ def refine_rotations(init_local: jax.Array, positions: jax.Array, offsets: jax.A
 
 # Entry points.
 swing_ik_jit = jax.jit(swing_ik, static_argnames='rig')
-mean_pose_ik_jit = jax.jit(mean_pose_ik, static_argnames='rig')
 solve_rotations_jit = jax.jit(solve_rotations, static_argnames=('rig', 'config'))
 solve_latent_jit = jax.jit(solve_latent, static_argnames=('decode', 'rig', 'config',
                                                           'latent_dim'))

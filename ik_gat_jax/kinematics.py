@@ -57,33 +57,3 @@ def global_to_local(global_rot: jax.Array, parents: Sequence[int]) -> jax.Array:
   G_parent = jnp.take(global_rot, idx, axis=-3)
   R = jnp.swapaxes(G_parent, -1, -2) @ global_rot
   return R.at[..., 0, :, :].set(global_rot[..., 0, :, :])
-
-
-def depth_groups(parents: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-  """Joints grouped by tree depth (root first): the alternative FK's schedule."""
-  depth = []
-  for p in parents:
-    depth.append(0 if p < 0 else depth[p] + 1)
-  return tuple(tuple(j for j, d in enumerate(depth) if d == k) for k in range(max(depth) + 1))
-
-
-def forward_kinematics_by_depth(local_rot: jax.Array, offsets: jax.Array,
-                                parents: Sequence[int],
-                                root_pos: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-  """Same result as `forward_kinematics`, one gather + batched matmul per tree depth.
-
-  Kept only for the benchmark that chose the loop form (`experiments.bench_fk`).
-  """
-  batch = jnp.broadcast_shapes(local_rot.shape[:-3], offsets.shape[:-2])
-  J = len(parents)
-  G = jnp.broadcast_to(local_rot, batch + (J, 3, 3))
-  off = jnp.broadcast_to(offsets, batch + (J, 3))
-  root = off[..., 0, :] if root_pos is None else jnp.broadcast_to(root_pos, batch + (3,))
-  p = jnp.zeros(batch + (J, 3), G.dtype).at[..., 0, :].set(root)
-  for group in depth_groups(parents)[1:]:
-    g = np.asarray(group)
-    par = np.asarray([parents[j] for j in group])
-    Gp = G[..., par, :, :]
-    p = p.at[..., g, :].set(p[..., par, :] + jnp.einsum('...ab,...b->...a', Gp, off[..., g, :]))
-    G = G.at[..., g, :, :].set(Gp @ G[..., g, :, :])
-  return G, p

@@ -26,6 +26,7 @@ import numpy as np
 
 from ik_gat_jax import bone_frames
 from ik_gat_jax import kinematics
+from ik_gat_jax import padding
 from ik_gat_jax import rotations
 from ik_gat_jax.skeleton import Rig
 
@@ -202,8 +203,7 @@ def joint_jitter(local_rot: np.ndarray, file_ids: np.ndarray, fps: float,
     return np.full(R.shape[1], np.nan), 0
   ok = clip_triples(file_ids, frame_index)
   # Pad to a power of two: few compiled shapes. Padded frames repeat the last one (ok=False).
-  L = 1 << (T - 1).bit_length()
-  R = np.concatenate([R, np.repeat(R[-1:], L - T, 0)])
+  R = padding.pad_rows(R, padding.power_of_two(T))
   acc = np.asarray(angular_acceleration_jit(jnp.asarray(R), float(fps)), np.float64)[:T - 2]
   n = int(ok.sum())
   if n == 0:

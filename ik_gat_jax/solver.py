@@ -69,6 +69,7 @@ from ik_gat_jax import bone_frames as bone_frames_lib
 from ik_gat_jax import inference
 from ik_gat_jax import iterative_ik
 from ik_gat_jax import kinematics
+from ik_gat_jax import padding
 from ik_gat_jax import temporal
 from ik_gat_jax.errors import CheckpointError, InputError  # noqa: F401  (also solver.InputError)
 from ik_gat_jax.io import exports
@@ -672,8 +673,8 @@ class IKSolver:
     local = temporal.filter_clips(out['local_rot'], np.zeros(T), self.temporal_filter, self.fps)
     new = {'local_rot': local}
     if 'global_rot' in out:
-      L = 1 << (T - 1).bit_length()  # padded: few compiled shapes
-      pad = lambda a: jnp.asarray(np.concatenate([a, np.repeat(a[-1:], L - T, 0)]), jnp.float32)
+      L = padding.power_of_two(T)  # padded: few compiled shapes
+      pad = lambda a: jnp.asarray(padding.pad_rows(a, L), jnp.float32)
       off, B, _ = subject
       G, p = _fk_jit(pad(local), off, pad(pos[:, 0]), self.rig)
       new.update(global_rot=np.asarray(G)[:T], bone_aligned_rot=np.asarray(G @ B)[:T],

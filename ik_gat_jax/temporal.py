@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ik_gat_jax import padding
 from ik_gat_jax import rotations
 
 KINDS = ('none', 'one_euro')
@@ -207,11 +208,10 @@ def filter_clips(rots: np.ndarray, file_ids: np.ndarray, config: FilterConfig, f
   if frame_index is not None:
     k = np.asarray(frame_index)
     starts[1:] |= k[1:] != k[:-1] + 1
-  L = 1 << max(T - 1, 0).bit_length()
-  pad = L - T
-  R = np.concatenate([np.asarray(rots, np.float32), np.repeat(np.asarray(rots[-1:]), pad, 0)])
+  L = padding.power_of_two(T)
+  R = padding.pad_rows(np.asarray(rots, np.float32), L)
   valid = np.arange(L) < T
-  starts = np.concatenate([starts, np.zeros(pad, bool)])
+  starts = padding.pad_rows(starts, L, fill=False)
   _, out = filter_sequence_jit(jnp.asarray(R), config, float(fps), None, jnp.asarray(starts),
                                jnp.asarray(valid))
   return np.asarray(out)[:T]

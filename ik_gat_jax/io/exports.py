@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ik_gat_jax import bone_frames as bone_frames_lib
+from ik_gat_jax import padding
 from ik_gat_jax import rotations
 from ik_gat_jax.errors import ConversionError, InputError
 from ik_gat_jax.io import atomic
@@ -328,8 +329,7 @@ def euler_zyx_degrees(R: np.ndarray) -> np.ndarray:
   Jitted over the flattened matrices padded to a power of two (few compiles for any T)."""
   R = np.asarray(R, np.float64)
   flat = R.reshape(-1, 3, 3)
-  n = max(64, 1 << max(len(flat) - 1, 0).bit_length())
-  padded = np.concatenate([flat, np.broadcast_to(np.eye(3), (n - len(flat), 3, 3))])
+  padded = padding.pad_rows(flat, padding.power_of_two(len(flat), 64), fill=np.eye(3))
   with jax.enable_x64(True):
     angles = np.asarray(_euler_degrees(jnp.asarray(padded, jnp.float64), 'ZYX'))
   return angles[:len(flat)].reshape(R.shape[:-2] + (3,))
