@@ -96,7 +96,7 @@ from ik_gat_jax import iterative_ik
 from ik_gat_jax import plots
 from ik_gat_jax import provenance
 from ik_gat_jax import rotations
-from ik_gat_jax.evaluation import Method
+from ik_gat_jax.evaluation import Method, markdown_grid
 from ik_gat_jax.io import atomic
 from ik_gat_jax.skeleton import Rig
 
@@ -796,7 +796,7 @@ def _accuracy_md(results: dict[str, dict], title: str) -> str:
     parts = res.get('per_part', {})
     if len(parts) > 1:
       rows += [evaluation.result_cells(pr, f'{name} ({part})') for part, pr in parts.items()]
-  return f'{title}\n\n' + evaluation.markdown_grid(evaluation.RESULT_COLUMNS, rows)
+  return f'{title}\n\n' + markdown_grid(evaluation.RESULT_COLUMNS, rows)
 
 
 def _by_group_md(accuracy: dict[str, dict], key: str, label: str, title: str) -> str:
@@ -805,7 +805,7 @@ def _by_group_md(accuracy: dict[str, dict], key: str, label: str, title: str) ->
   first = accuracy[names[0]][key]
   rows = [[g, str(first[g]['frames'])] + [_f(accuracy[n][key][g]['local_rot_err_deg'])
                                           for n in names] for g in groups]
-  return f'{title}\n\n' + evaluation.markdown_grid([label, 'frames', *names], rows)
+  return f'{title}\n\n' + markdown_grid([label, 'frames', *names], rows)
 
 
 def _pareto_md(r: dict) -> str:
@@ -815,7 +815,7 @@ def _pareto_md(r: dict) -> str:
   batch = r['pareto'][0]['batch'] if r['pareto'] else '-'
   left = 'yes' if r['ratios']['ikgat_left_of_iterative'] else 'no'
   return (f'## Pareto: local error vs time per frame (batch {batch})\n\n'
-          + evaluation.markdown_grid(['point', 'family', 'iters', 'local (deg)', 'MPJPE (mm)', 'ms/frame',
+          + markdown_grid(['point', 'family', 'iters', 'local (deg)', 'MPJPE (mm)', 'ms/frame',
                     'frames/s'], rows)
           + f'\n\nEvery IK-GAT point left of every iterative point: {left}.')
 
@@ -831,7 +831,7 @@ def _noise_md(r: dict) -> str:
                       ('mpjpe_mm', 'MPJPE (mm)')):
     rows = [[n] + [_f(c[field]) for c in curve] for n, curve in noise.items()]
     parts.append(f'## Noise: {unit} vs input noise (sigma per coordinate)\n\n'
-                 + evaluation.markdown_grid(header, rows))
+                 + markdown_grid(header, rows))
   return '\n\n'.join(parts)
 
 
@@ -841,7 +841,7 @@ def _init_md(r: dict) -> str:
   rows = [[fam] + [f"{_f(v[k]['local_rot_err_deg'])} ({_f(v[k]['root_rot_err_deg'])})"
                    if k in v else '-' for k in inits] for fam, v in init.items()]
   return ('## Initial pose (iterative solvers): local error (root error), deg\n\n'
-          + evaluation.markdown_grid(['solver', *inits], rows))
+          + markdown_grid(['solver', *inits], rows))
 
 
 def _per_joint_md(r: dict) -> str:
@@ -849,7 +849,7 @@ def _per_joint_md(r: dict) -> str:
   names = list(acc)
   joints = list(acc[names[0]]['per_joint'])
   rows = [[j] + [_f(acc[n]['per_joint'][j]['local_rot_err_deg']) for n in names] for j in joints]
-  return '## Per joint: local rotation error (deg)\n\n' + evaluation.markdown_grid(['joint', *names], rows)
+  return '## Per joint: local rotation error (deg)\n\n' + markdown_grid(['joint', *names], rows)
 
 
 def _percent(x: float | None, of: float | None) -> float | None:
@@ -874,7 +874,7 @@ def _speed_md(r: dict) -> str:
             'GFLOP/s best', '% of matmul']
   cap = r['config']['iterative_batch_cap']
   return (f'## Speed (iterative solvers at {r["config"]["iters"]} iterations, timed up to batch '
-          f'{cap}; % of the float32 matmul\'s GFLOP/s)\n\n' + evaluation.markdown_grid(header, rows))
+          f'{cap}; % of the float32 matmul\'s GFLOP/s)\n\n' + markdown_grid(header, rows))
 
 
 def _sweep_md(r: dict) -> str:
@@ -887,7 +887,7 @@ def _sweep_md(r: dict) -> str:
           + [_f(s['blocked'][b]['frames_per_s'], ',.0f') if b in s['blocked'] else '-'
              for b in big] for n, s in sweeps.items()]
   return ('## IK-GAT block-size sweep (frames/s); large batches run in blocks of the best\n\n'
-          + evaluation.markdown_grid(['model', *blocks, 'best block', *[f'{b} in blocks' for b in big]], rows))
+          + markdown_grid(['model', *blocks, 'best block', *[f'{b} in blocks' for b in big]], rows))
 
 
 def _bf16_md(r: dict) -> str:
@@ -898,7 +898,7 @@ def _bf16_md(r: dict) -> str:
            _f(v['speedup_batch1'], '.2f'), _f(v['speedup_best'], '.2f')]
           for n, v in r['bf16'].items()]
   return ('## IK-GAT in bfloat16 against float32\n\n'
-          + evaluation.markdown_grid(['model', 'local f32 (deg)', 'local bf16 (deg)', 'change (deg)',
+          + markdown_grid(['model', 'local f32 (deg)', 'local bf16 (deg)', 'change (deg)',
                     'MPJPE change (mm)', 'speed-up batch 1', 'speed-up best'], rows))
 
 
@@ -912,7 +912,7 @@ def _ratios_md(r: dict) -> str:
            _f(v['flops_ratio'], '.1f')] for v in pairs.values()]
   batch = next(iter(pairs.values()))['same_batch_size']
   return ('## IK-GAT over iterative IK: frames/s ratios measured in this run\n\n'
-          + evaluation.markdown_grid(['IK-GAT', 'iterative', 'batch 1 ratio', f'batch {batch} ratio',
+          + markdown_grid(['IK-GAT', 'iterative', 'batch 1 ratio', f'batch {batch} ratio',
                     'best batched ratio', 'IK-GAT FLOPs/frame', 'iterative FLOPs/frame',
                     'FLOPs ratio'], rows))
 

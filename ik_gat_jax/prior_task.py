@@ -1,4 +1,5 @@
-"""The VPoser-style pose prior as an `inference.Task`: the same trainer, its own model, loss, metrics.
+"""The VPoser-style pose prior as an `inference.Task`: the same trainer, its own model, loss,
+metrics.
 
 The prior's input standardisation (fixed, not trained: DESIGN section 6) is part of the model's
 definition, so it lives in the config (`config.prior_stats`, computed from the training split by

@@ -73,10 +73,9 @@ def parse_frames(spec: str | None, num_frames: int, default: int) -> list[int]:
   return frames
 
 
-def _subject_offsets(source, offsets_from, offsets_units, joint_map, M, rig):
-  """The subject's offsets (metres, rig axes) or None for the template (see solve_file)."""
-  if offsets_from is not None:
-    return exports.read_bvh_offsets(offsets_from, rig, joint_map=joint_map, units=offsets_units)
+def _subject_offsets(source, M):
+  """The input's own offsets (metres, rig axes) or None for the solver's default: the
+  `offsets_from` BVH read by `IKSolver.from_checkpoint`, else the template (see solve_file)."""
   if source.offsets is None:
     return None
   return source.offsets @ M.T if source.metres_rig else source.offsets
@@ -127,7 +126,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
     raise FileNotFoundError(f'input {input} does not exist')
   solver = solver_lib.IKSolver.from_checkpoint(
       checkpoint, expected_rig=rig, block_size=block_size or solver_lib.DEFAULT_BLOCK,
-      refine_iters=refine_iters)
+      refine_iters=refine_iters, offsets_from=offsets_from, joint_map=joint_map,
+      bvh_units=offsets_units)
   solver.temporal_filter = temporal.with_overrides(solver.temporal_filter, filter_kind,
                                                    filter_min_cutoff, filter_beta,
                                                    filter_d_cutoff)
@@ -137,7 +137,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   source = exports.read_positions(input, rig, joint_map=joint_map, bvh_units=units,
                                   bvh_fps=fps)
   M = solver_lib.parse_input_axes(input_axes, rig)
-  offsets = _subject_offsets(source, offsets_from, offsets_units, joint_map, M, rig)
+  offsets = None if offsets_from is not None else _subject_offsets(source, M)
   rate = float(fps or source.fps or 30.0)
   solver.fps = rate
   mask, orient = _sparse_inputs(solver, trackers, orientations, len(source.positions))

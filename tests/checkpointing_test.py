@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments.configs import test as test_config
 from ik_gat_jax import checkpointing, inference, train
 from ik_gat_jax.skeleton import Rig
 
@@ -199,19 +198,12 @@ def test_trained_shape_mismatch_via_load_model(run_copy):
   _assert_refused(e, best)
 
 
-def _resume_config(cmu_shards, **model_overrides):
-  c = test_config.get_config()
-  c.data = str(cmu_shards)
-  c.model.update(model_overrides)
-  return c
-
-
-def test_resume_with_a_different_model_config_is_refused(run_copy, cmu_shards):
+def test_resume_with_a_different_model_config_is_refused(run_copy, cmu_shards, tiny_config):
   latest = run_copy / 'checkpoints' / 'latest'
   run_json = (run_copy / 'run.json').read_bytes()
   step_before = checkpointing.Checkpointer(latest, create=False).latest_step()
   with pytest.raises(checkpointing.CheckpointError) as e:
-    train.train_and_evaluate(_resume_config(cmu_shards, hidden=32), run_copy,
+    train.train_and_evaluate(tiny_config(cmu_shards, model=dict(hidden=32)), run_copy,
                              log=lambda m: None)
   msg = _assert_refused(e, latest)
   assert str(run_copy) in msg and 'different model config' in msg
@@ -221,19 +213,19 @@ def test_resume_with_a_different_model_config_is_refused(run_copy, cmu_shards):
   assert checkpointing.Checkpointer(latest, create=False).all_steps() == [step_before]
 
 
-def test_resume_names_every_differing_key(run_copy, cmu_shards):
+def test_resume_names_every_differing_key(run_copy, cmu_shards, tiny_config):
   with pytest.raises(checkpointing.CheckpointError) as e:
-    train.train_and_evaluate(_resume_config(cmu_shards, hidden=32, num_layers=3), run_copy,
-                             log=lambda m: None)
+    train.train_and_evaluate(tiny_config(cmu_shards, model=dict(hidden=32, num_layers=3)),
+                             run_copy, log=lambda m: None)
   msg = _assert_refused(e, run_copy / 'checkpoints' / 'latest')
   assert 'hidden:' in msg and 'num_layers:' in msg
 
 
-def test_resume_from_a_truncated_checkpoint_is_refused(run_copy, cmu_shards):
+def test_resume_from_a_truncated_checkpoint_is_refused(run_copy, cmu_shards, tiny_config):
   latest = run_copy / 'checkpoints' / 'latest'
   _truncate_largest_array_file(_step_dir(latest))
   with pytest.raises(checkpointing.CheckpointError) as e:
-    train.train_and_evaluate(_resume_config(cmu_shards), run_copy, log=lambda m: None)
+    train.train_and_evaluate(tiny_config(cmu_shards), run_copy, log=lambda m: None)
   assert 'truncated' in _assert_refused(e, latest)
 
 

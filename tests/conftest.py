@@ -87,13 +87,27 @@ def all_subject_shards(cmu_dir, tmp_path_factory):
   return out
 
 
+def make_tiny_config(shards, model: dict | None = None, train: dict | None = None):
+  """experiments/configs/test.py (the tiny model) on `shards`, with model / train overrides."""
+  from experiments.configs import test as test_config
+  c = test_config.get_config()
+  c.data = str(shards)
+  c.model.update(model or {})
+  c.train.update(train or {})
+  return c
+
+
+@pytest.fixture(scope='session')
+def tiny_config():
+  """`make_tiny_config`, for tests that build their own runs."""
+  return make_tiny_config
+
+
 @pytest.fixture(scope='session')
 def tiny_ikgat_run(cmu_shards, tmp_path_factory):
   """A tiny IK-GAT trained for 20 steps on `cmu_shards` (a run directory)."""
-  from experiments.configs import test as test_config
   from ik_gat_jax import train
-  c = test_config.get_config()
-  c.data = str(cmu_shards)
+  c = make_tiny_config(cmu_shards)
   workdir = tmp_path_factory.mktemp('tiny_ikgat')
   train.train_and_evaluate(c, workdir, log=_quiet)
   return workdir

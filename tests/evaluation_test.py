@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from ik_gat_jax import checkpointing, data, evaluation, inference, iterative_ik, metrics, prior_task, train
+from ik_gat_jax import checkpointing, data, evaluation, inference, iterative_ik, prior_task, train
 
 REQUIRED = ('method', 'frames', 'local_rot_err_deg', 'root_rot_err_deg', 'global_rot_err_deg',
             'twist_err_deg', 'swing_err_deg', 'mpjpe_mm', 'seconds', 'frames_per_s', 'per_joint',

@@ -148,7 +148,6 @@ def test_shipped_checkpoint_output_unchanged():
   machine is off the exact answer by about as much, so |golden - out32| <= e32 + e32' and we
   allow 4 x (2 e32), at least 1e-6; a real change of the model's function moves entries by far
   more (0.01 deg of one joint = 2e-4)."""
-  from ik_gat_jax import train
   model, _ = inference.load_model(SHIPPED)
   golden = np.load(GOLDEN)
   out32 = np.asarray(jax.jit(lambda p: model(p, deterministic=True))(golden['positions']))
@@ -161,7 +160,8 @@ def test_shipped_checkpoint_output_unchanged():
   tol = max(8 * e32, 1e-6)
   assert e32 < 1e-4, f'float32 round-off {e32} is implausibly large'
   err = float(np.abs(out32 - golden['output']).max())
-  assert err <= tol, f'shipped model output moved by {err:.2e} (tolerance {tol:.2e} = 8 x {e32:.2e})'
+  assert err <= tol, (f'shipped model output moved by {err:.2e} '
+                      f'(tolerance {tol:.2e} = 8 x {e32:.2e})')
 
 
 def _aug(**kw):
@@ -223,7 +223,6 @@ def _save(model, config, rig, path):
 
 def test_solver_nan_joints_are_missing(rig, tmp_path):
   from experiments.configs import test as test_config
-  from ik_gat_jax import train
   from ik_gat_jax.solver import IKSolver, InputError
   config = test_config.get_config()
   config.model.update(joint_mask=True, orientation_inputs=('Head',))

@@ -15,7 +15,6 @@ from scipy.spatial.transform import Rotation
 from experiments.configs import test as test_config
 import ik_gat_jax
 from ik_gat_jax import checkpointing
-from ik_gat_jax import evaluation
 from ik_gat_jax import inference
 from ik_gat_jax import rotations
 from ik_gat_jax import skeleton

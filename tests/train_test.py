@@ -15,17 +15,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from flax import nnx
 
-from experiments.configs import test as test_config
 from ik_gat_jax import checkpointing, data, inference, input_pipeline, metrics, train
-
-
-def _config(shards, **train_overrides):
-  c = test_config.get_config()
-  c.data = str(shards)
-  c.train.update(train_overrides)
-  return c
 
 
 def _fixed_batch(dataset, n):
@@ -41,10 +32,11 @@ def test_batch_order_is_a_function_of_step_only():
   assert sorted(flat[:20]) == list(range(20)) and sorted(flat[20:40]) == list(range(20))
 
 
-def test_overfit_300_frames_of_07_01_no_retrace(overfit_shards):
+def test_overfit_300_frames_of_07_01_no_retrace(overfit_shards, tiny_config):
   """A tiny model fits 300 real frames to under 2 degrees mean local error (all joints)."""
-  c = _config(overfit_shards, lr=2e-2, warmup_steps=20, steps=900, final_lr_fraction=0.05,
-              batch_size=300, weight_decay=0.0)
+  c = tiny_config(overfit_shards, train=dict(lr=2e-2, warmup_steps=20, steps=900,
+                                             final_lr_fraction=0.05, batch_size=300,
+                                             weight_decay=0.0))
   c.model.dropout = 0.0
   c.loss.alpha = 0.0
   c.augment.update(yaw=False, mirror=0.0, bone_scale=0.0)
@@ -83,13 +75,15 @@ def _latest_state(workdir, config, rig, ds):
   return state, meta, ckpt.latest_step()
 
 
-def test_resume_equals_uninterrupted_and_checkpoint_round_trip(cmu_shards, tmp_path):
+def test_resume_equals_uninterrupted_and_checkpoint_round_trip(cmu_shards, tmp_path,
+                                                               tiny_config):
   """Interrupted at step 4 and resumed = uninterrupted: the `latest` checkpoints of both runs, at
   the same asserted step 6, hold the same parameters and optimizer state bit for bit (one
   process, one machine: the same compiled step on the same inputs). The resumed run must
   really restore (its log says so and it runs only steps 5 and 6): restarting from scratch
   would also end equal, and a resume that dropped the optimizer state would not."""
-  c = _config(cmu_shards, steps=6, log_every=1, eval_every=3, checkpoint_every=100)
+  c = tiny_config(cmu_shards, train=dict(steps=6, log_every=1, eval_every=3,
+                                         checkpoint_every=100))
   train.train_and_evaluate(c, tmp_path / 'straight', log=lambda m: None)
   with pytest.raises(KeyboardInterrupt):
     train.train_and_evaluate(c, tmp_path / 'resumed', log=_interrupt_at(4))
@@ -173,5 +167,5 @@ def test_ctrl_c_mid_run_saves_and_resumes(cmu_shards, tmp_path):
   done = subprocess.run(cmd[:-3] + [f"--steps={run['step'] + 2}"], cwd=repo, env=env,
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-  assert f"resumed from" in done.stdout and json.loads(
+  assert "resumed from" in done.stdout and json.loads(
       (workdir / 'run.json').read_text())['status'] == 'done'

@@ -62,7 +62,8 @@ def inner(checkpoint: str, out: str, commit: str) -> None:
     from ik_gat_jax.train import load_model
   here = Path.cwd().resolve()
   if here not in Path(ik_gat_jax.__file__).resolve().parents:
-    sys.exit(f'make_golden: ik_gat_jax imported from {ik_gat_jax.__file__}, not the worktree {here}')
+    sys.exit(f'make_golden: ik_gat_jax imported from {ik_gat_jax.__file__}, not the worktree '
+             f'{here}')
   rig = skeleton.cmu_body()
   positions = synthetic_positions(rig.parents, np.asarray(rig.template(), np.float64))
   model, _ = load_model(checkpoint)
