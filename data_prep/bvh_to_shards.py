@@ -2,7 +2,8 @@ r"""BVH mocap -> memory-mappable training shards (DESIGN sections 3, 7, 9).
 
     python -m data_prep.bvh_to_shards --input=DIR_OR_FILE --rig=NAME|auto|JOINT_MAP.json \
         --output=DIR [--split=auto|train|val|test|all] [--fps=30] [--units=...] [--up=y] \
-        [--forward=z] [--prune=J1,J2] [--split_file=FILE] [--rig_name=NAME] [--on_error=skip]
+        [--forward=z] [--prune=J1,J2] [--split_file=FILE] [--rig_name=NAME] [--on_error=skip] \
+        [--reference_pose=zero|first_frame]
 
 Example (the CMU data: 88 files -> 27155 frames at 30 fps, about 15 s on 2 CPU cores):
 
@@ -15,6 +16,13 @@ Example (the CMU data: 88 files -> 27155 frames at 30 fps, about 15 s on 2 CPU c
   refuses files it does not list; `--split=NAME` puts every input file in split NAME.
 - Running again with the same --output adds the new files (same rig and fps required); files
   already there with the same sha256 are skipped, changed ones refused.
+- `--units=auto` estimates metres per file unit from the first file's skeleton (its span along
+  the bones, about 1.3 statures, snapped to m, cm, mm, in, ft or cmu where that makes a human of
+  1.0-2.2 m), prints the evidence, and refuses when no unit does (io/units.py).
+- `--reference_pose` names the source's natural pose when its zero pose is not one (game-engine
+  and DCC exports bind bones along local X): `first_frame` takes frame 0 of the first file (a
+  T-pose at the start, as MotionBuilder writes), `zero` the zero pose; a joint map may also list
+  per-joint channel values (schema). Bone frames, swing-only IK and mirroring use it.
 - Every file is verified (FK of the reduced rig vs the raw channels, limit 1e-5 m); a file that
   cannot be reduced or verified stops the run with the reason (or is skipped: --on_error=skip).
 Progress per file goes to stderr; bad input exits 1 with a one-line reason and leaves --output
@@ -40,7 +48,8 @@ _SPLIT = flags.DEFINE_enum('split', 'auto', ['auto', *conversion.SPLIT_NAMES],
                            'auto: the committed split; else every input file goes there.')
 _FPS = flags.DEFINE_float('fps', 30.0, 'Output frame rate.')
 _UNITS = flags.DEFINE_string('units', None, 'Metres per file unit (number, or m, cm, mm, inch, '
-                             'cmu); default: the joint map\'s.')
+                             'cmu, or auto: estimated from the skeleton); default: the joint '
+                             'map\'s.')
 _UP = flags.DEFINE_string('up', None, 'Source up axis (x, y, z, -x, ...); default: joint map\'s, '
                           'y for auto.')
 _FORWARD = flags.DEFINE_string('forward', None, 'Direction the source rest pose faces; default: '
@@ -52,6 +61,9 @@ _SUBJECT_REGEX = flags.DEFINE_string('subject_regex', None, 'Regex on the file n
                                      '"subject" (or 1) names the subject.')
 _SPLIT_FILE = flags.DEFINE_string('split_file', None, 'Split JSON for --split=auto.')
 _RIG_NAME = flags.DEFINE_string('rig_name', 'auto', 'Name of a rig derived by --rig=auto.')
+_REFERENCE_POSE = flags.DEFINE_enum('reference_pose', None, ['zero', 'first_frame'],
+                                    'The source\'s natural (T-)pose: its zero pose or frame 0 '
+                                    'of the first file; default: the joint map\'s (zero).')
 _ON_ERROR = flags.DEFINE_enum('on_error', 'fail', ['fail', 'skip'],
                               'What a refused file does to the run.')
 
@@ -67,7 +79,8 @@ def main(argv):
         _INPUT.value, _RIG.value, _OUTPUT.value, split=_SPLIT.value, fps=_FPS.value,
         units=_UNITS.value, up=_UP.value, forward=_FORWARD.value, prune=_PRUNE.value,
         drop_first_frame=_DROP_FIRST.value, subject_regex=_SUBJECT_REGEX.value,
-        split_file=_SPLIT_FILE.value, rig_name=_RIG_NAME.value, on_error=_ON_ERROR.value)
+        split_file=_SPLIT_FILE.value, rig_name=_RIG_NAME.value, on_error=_ON_ERROR.value,
+        reference_pose=_REFERENCE_POSE.value)
   except (ConversionError, bvh.BVHError, OSError) as e:
     raise SystemExit(f'bvh_to_shards: error: {e}') from None
   conversion.log_stderr(

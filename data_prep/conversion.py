@@ -10,8 +10,19 @@ Choices written down (DESIGN leaves them open; the reduction's are in `io.retarg
 - End sites (issue G2) are written as `<split>/end_sites.npy [T, E, 3]` with the leaf list in
   `end_sites.json`; adding to a directory written before end sites existed keeps its old frames
   NaN (absent).
-- Subjects are keyed by name and rest offsets: a file whose offsets differ from its subject's
-  earlier files by more than 1e-6 m becomes a subject variant 'NAME~1' (its own offsets row).
+- Subjects are bodies, not clips: keyed by name and the rest offsets of every joint but the
+  root; a file whose non-root offsets differ from its subject's earlier files by more than
+  1e-6 m becomes a subject variant 'NAME~1' (its own offsets row). The root's offset is its rest
+  position in the world (with a dummy root folded in, the sum of their OFFSETs), a placement of
+  the clip that FK never reads (the root position channels place the body), so files that
+  differ only there are one subject (the first file's row is kept).
+- `--units=auto` (`build_joint_map`): `io.units.estimate_units` on the first input file's
+  skeleton (bone lengths and End Sites, so a crumpled zero pose does not matter), logged with its
+  evidence, refused when no known unit gives a human stature; without --units, `--rig=auto`
+  refuses and names the unit the skeleton suggests.
+- Reference pose (`io.retarget`, module docstring): a joint map's or `--reference_pose`
+  declaration is read from the first file to convert; a derived rig stores it, a named rig must
+  agree with it.
 - Merging. A run into an existing shard directory appends: files already there with the same
   sha256 are skipped (logged), a file of the same name with a different sha256 is refused. The
   rig and the frame rate must match the directory's. The whole new directory is written beside
@@ -40,7 +51,9 @@ from ik_gat_jax import bone_frames as bone_frames_lib
 from ik_gat_jax import data as data_lib
 from ik_gat_jax import skeleton
 from ik_gat_jax.errors import ConversionError, InputError
+from ik_gat_jax.io import bvh
 from ik_gat_jax.io import retarget
+from ik_gat_jax.io import units as units_lib
 from ik_gat_jax.io.units import UNITS, parse_units
 from ik_gat_jax.provenance import file_sha256, git_commit
 
@@ -48,6 +61,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 SPLIT_DIR = PACKAGE_DIR / 'splits'
 
 SUBJECT_TOL_M = 1e-6  # offsets closer than this are the same subject's
+NATURAL_POSE_ASYMMETRY_DEG = 20.0  # a derived rig's reference pose asymmetric beyond: warned
 SPLIT_NAMES = ('train', 'val', 'test', 'all')
 Log = Callable[[str], None]
 
@@ -242,13 +256,19 @@ def load_output(output: Path) -> _Shards:
                          for s, ds in sets.items()})
 
 
+def same_body(a: np.ndarray, b: np.ndarray) -> bool:
+  """Offsets `[J, 3]` of one body: every non-root joint within SUBJECT_TOL_M (module docstring:
+  the root's offset is where the clip is placed, not the body)."""
+  a, b = np.asarray(a), np.asarray(b)
+  return a.shape == b.shape and bool(np.abs(a[1:] - b[1:]).max(initial=0.0) <= SUBJECT_TOL_M)
+
+
 def _assign_subjects(shards: _Shards, clips: Sequence[Clip]) -> list[int]:
   """Sets `clip.subject_id` (new subjects appended); returns the new subjects' ids."""
   new = []
   for clip in clips:
     same = [i for i, s in enumerate(shards.subjects) if s['subject'] == clip.subject]
-    match = next((i for i in same if np.abs(shards.offsets[i] - clip.offsets).max()
-                  <= SUBJECT_TOL_M), None)
+    match = next((i for i in same if same_body(shards.offsets[i], clip.offsets)), None)
     if match is None:
       match = len(shards.subjects)
       shards.subjects.append({'name': clip.subject + (f'~{len(same)}' if same else ''),
@@ -433,26 +453,54 @@ def new_inputs(inputs: Sequence[tuple[str, Path]], shards: _Shards, output: Path
   return todo, skipped
 
 
+def estimate_file_units(path: str | os.PathLike) -> units_lib.UnitsEstimate:
+  """`io.units.estimate_units` of one BVH file's skeleton (ConversionError when implausible)."""
+  try:
+    motion = bvh.read_bvh(path)
+    return units_lib.estimate_units(motion.offsets, motion.parents,
+                                    [j.end_site for j in motion.joints], what=f'{path}')
+  except bvh.BVHError as e:
+    raise ConversionError(str(e)) from None
+  except InputError as e:
+    raise ConversionError(str(e)) from None
+
+
 def build_joint_map(rig: str, inputs: Sequence[Path], units: str | float | None = None,
                     up: str | None = None, forward: str | None = None,
                     prune: Sequence[str] = (), drop_first_frame: bool | None = None,
-                    subject_regex: str | None = None) -> retarget.JointMap:
+                    subject_regex: str | None = None, reference_pose: str | None = None,
+                    log: Log = log_stderr) -> retarget.JointMap:
   """The joint map for `--rig` (name, JSON path, or 'auto' derived from `inputs`), with the
-  command-line overrides applied."""
-  try:
-    scale = parse_units(units) if units is not None else None
-  except InputError as e:  # convert() refuses bad input with a ConversionError
-    raise ConversionError(str(e)) from None
+  command-line overrides applied. `units='auto'`: estimated from the first input's skeleton
+  (module docstring), logged."""
+  if isinstance(units, str) and units.strip().lower() == 'auto':
+    if not inputs:
+      raise ConversionError('--units=auto needs an input file')
+    est = estimate_file_units(inputs[0])
+    log(f'--units=auto: {Path(inputs[0]).name}: {est.describe()}')
+    scale = est.metres_per_unit
+  else:
+    try:
+      scale = parse_units(units) if units is not None else None
+    except InputError as e:  # convert() refuses bad input with a ConversionError
+      raise ConversionError(str(e)) from None
   if rig == 'auto':
     if scale is None:
-      raise ConversionError('--rig=auto needs --units (metres per file unit: a number, or one of '
-                            f'{", ".join(UNITS)})')
+      try:
+        est = estimate_file_units(inputs[0]) if inputs else None
+        hint = (f'; {Path(inputs[0]).name} looks like --units={est.name} (a stature of about '
+                f'{est.stature_m:.2f} m; --units=auto would pick it)') if est else ''
+      except ConversionError as e:
+        hint = f'; --units=auto cannot tell either: {e}'
+      raise ConversionError('--rig=auto needs --units (metres per file unit: a number, one of '
+                            f'{", ".join(UNITS)}, or auto){hint}')
     return retarget.derive_joint_map(inputs, scale, up or '+y', forward or '+z', tuple(prune),
-                            bool(drop_first_frame), subject_regex)
+                                     bool(drop_first_frame), subject_regex, reference_pose)
   jmap = retarget.load_joint_map(rig)
   return jmap.with_overrides(units=scale, up=up, forward=forward,
                              drop_first_frame=drop_first_frame, subject_regex=subject_regex,
-                             prune=(tuple(jmap.prune) + tuple(prune)) if prune else None)
+                             prune=(tuple(jmap.prune) + tuple(prune)) if prune else None,
+                             reference_pose=reference_pose)
 
 
 def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, *,
@@ -460,14 +508,15 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
             up: str | None = None, forward: str | None = None, prune: Sequence[str] = (),
             drop_first_frame: bool | None = None, subject_regex: str | None = None,
             split_file: str | None = None, rig_name: str = 'auto', on_error: str = 'fail',
-            log: Log = log_stderr) -> dict:
+            reference_pose: str | None = None, log: Log = log_stderr) -> dict:
   """BVH file(s) -> shard directory `output` (created, or added to). Returns the summary.
 
   Args mirror `bvh_to_shards` flags: `rig` is a joint-map name, a joint-map JSON path or 'auto';
   `split` is 'auto' (the joint map's committed split, or `split_file`) or a split name that takes
   every input file; `units` (metres per file unit), `up`, `forward`, `drop_first_frame` and
   `subject_regex` override the joint map; `prune` adds subtrees to prune; `rig_name` names a
-  derived rig; `on_error='skip'` logs and skips refused files instead of failing the run.
+  derived rig; `on_error='skip'` logs and skips refused files instead of failing the run;
+  `reference_pose` ('zero' or 'first_frame') overrides the joint map's (io.retarget).
   Raises ConversionError (one line) on bad input; the output is then left as it was.
   """
   started = time.perf_counter()
@@ -481,7 +530,7 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
   shards = load_output(output)
   inputs = find_bvh_files(input_path)
   jmap = build_joint_map(rig, [p for _, p in inputs], units, up, forward, prune,
-                         drop_first_frame, subject_regex)
+                         drop_first_frame, subject_regex, reference_pose, log)
   target = retarget.resolve_rig(jmap)
   check_output_matches(shards, output, fps, target)
   known = target or shards.rig
@@ -527,12 +576,34 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
         f'{clip.seconds:.2f} s')
   if not clips:
     raise ConversionError(f'no file converted ({len(refused)} refused)')
-  if target is None:
-    target = shards.rig or retarget.derive_rig(rig_name, jmap, names, parents,
-                                      _subject_mean_offsets(clips))
+  reference = None  # the declared reference pose, read from the first converted file
+  if jmap.reference_pose not in (None, 'zero'):
+    first = Path(clips[0].path)
+    try:
+      raw = bvh.read_bvh(first)
+    except bvh.BVHError as e:
+      raise ConversionError(str(e)) from None
+    plan = retarget.plan_reduction(raw.names, raw.parents, jmap, names, parents)
+    reference = retarget.reference_rotations(first, jmap, plan, W)
+  if target is None and shards.rig is None:
+    target = retarget.derive_rig(rig_name, jmap, names, parents, _subject_mean_offsets(clips),
+                                 reference)
+    angle, joint = target.mirror_asymmetry()
+    if angle > NATURAL_POSE_ASYMMETRY_DEG:
+      log(f'WARNING: rig {target.name}: its {"reference" if reference is not None else "zero"} '
+          f'pose is not mirror-symmetric (the {joint} bone {angle:.0f} degrees from its '
+          'partner\'s mirror image), so it is not a natural pose: bone frames and swing-only IK '
+          'start from it and mirror augmentation will refuse it; if frame 0 is a T-pose, convert '
+          'again with --reference_pose=first_frame')
+  else:
+    target = target or shards.rig
+    if jmap.reference_pose is not None:
+      retarget.check_reference(target, reference, jmap)
   run = {'input': str(input_path), 'joint_map': jmap.name, 'joint_map_sha256': jmap.sha256,
          'units_m': jmap.units, 'up': jmap.up, 'forward': jmap.forward,
          'drop_first_frame': jmap.drop_first_frame, 'split': split,
+         'reference_pose': (jmap.reference_pose if isinstance(jmap.reference_pose, str) or
+                            jmap.reference_pose is None else 'per-joint channel values'),
          'files_added': len(clips), 'files_skipped': skipped, 'files_refused': refused,
          'frames_added': sum(c.frames for c in clips),
          'fk_max_error_m': max(c.fk_max_error_m for c in clips),

@@ -5,6 +5,18 @@ its parent's), `r_j` the rig's reference axis (up or forward, chosen once per ri
 bone frame `B_j = [x y z]` with `x = d_j`, `y = normalize(r_j - (r_j . x) x)`, `z = x cross y`.
 The bone-aligned world rotation is `Q_j = G_j @ B_j`; exactly back: `G_j = Q_j @ B_j.T`, then
 `R_j = G_parent.T @ G_j`. `Q_j @ e_x = G_j @ d_j` is the posed bone direction (observable).
+
+Rig invariance (DESIGN section 3). `d_j` and `r_j` must be directions in joint j's own frame.
+`d_j` from the designated child's offset already is one. The world reference axis `r_j` and a
+leaf's inherited direction are world directions *in the rig's reference pose*
+(`Rig.reference_pose`, world frames `F_j`; the zero pose when the rig names none, so `F = I`
+and nothing changes): `r_j` enters as `F_j^T r_j`, a leaf's direction as
+`F_leaf^T F_parent o_c / |o_c|`. Re-rigging by fixed per-joint `A_j` (`F_j -> F_j A_j`,
+`o_c -> A_j^T o_c`) then gives exactly `B'_j = A_j^T B_j`, so `Q'_j = G_j A_j A_j^T B_j = Q_j`:
+the bone-aligned targets and the twist/swing errors are the same on any bind. (With the zero
+pose of a re-rigged rig instead, non-leaf frames would differ by a twist about x, which the
+twist/swing errors do not see, but leaves would take their parent's direction in a crumpled
+pose: their x axis, and so their twist/swing split, would change.)
 """
 
 from __future__ import annotations
@@ -28,14 +40,31 @@ def rest_bone_directions(offsets: jax.Array, rig: Rig) -> jax.Array:
   """
   source = skeleton.rest_direction_joints(rig.parents, rig.designated_children)
   d = rotations.normalize(offsets[..., np.array([max(s, 0) for s in source]), :])
+  if rig.has_reference_pose:  # directions from another joint's frame, carried into j's own
+    carry = skeleton.inherited_direction_rotations(rig.parents, rig.designated_children,
+                                                   rig.reference_rotations())
+    if carry:
+      K = np.broadcast_to(np.eye(3), (rig.num_joints, 3, 3)).copy()
+      for j, k in carry.items():
+        K[j] = k
+      d = jnp.einsum('jab,...jb->...ja', jnp.asarray(K, d.dtype), d)
   none = np.array([s < 0 for s in source])[:, None]  # static
   return jnp.where(none, jnp.array([1.0, 0.0, 0.0], d.dtype), d) if none.any() else d
+
+
+def reference_vectors_local(rig: Rig) -> np.ndarray:
+  """`[J, 3]` each joint's world reference axis in its own frame at the reference pose,
+  `F_j^T r_j` (just `r_j` for a rig whose reference pose is its zero pose)."""
+  r = rig.reference_vectors()
+  if not rig.has_reference_pose:
+    return r
+  return np.einsum('jba,jb->ja', rig.reference_rotations(), r)
 
 
 def bone_frames(offsets: jax.Array, rig: Rig) -> jax.Array:
   """`offsets: [..., J, 3]` -> rest bone frames `B: [..., J, 3, 3]` (columns x, y, z)."""
   x = rest_bone_directions(jnp.asarray(offsets), rig)
-  r = jnp.asarray(rig.reference_vectors(), x.dtype)
+  r = jnp.asarray(reference_vectors_local(rig), x.dtype)
   y = rotations.normalize(r - jnp.sum(r * x, axis=-1, keepdims=True) * x)
   z = jnp.cross(x, y)
   return jnp.stack([x, y, z], axis=-1)

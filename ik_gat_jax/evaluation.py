@@ -309,7 +309,11 @@ def _bone_frames_fn(rig: Rig):
 
 
 def swing_method(rig: Rig, chunk: int = 4096) -> Method:
-  return Method('swing', jax.jit(lambda p, o: iterative_ik.swing_ik(p, o, rig)), chunk)
+  """Swing-only IK from the rig's reference pose (iterative_ik docstring), stated in the JSON."""
+  ref = ('the rig\'s reference_pose' if rig.has_reference_pose else
+         'the zero pose (the rig names no other reference pose)')
+  return Method('swing', jax.jit(lambda p, o: iterative_ik.swing_ik(p, o, rig)), chunk,
+                {'swing_reference': ref})
 
 
 def mean_pose_method(train_data, rig: Rig, chunk: int = 4096) -> Method:

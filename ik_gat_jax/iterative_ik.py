@@ -4,12 +4,26 @@
   co-located with it) span a plane -- the root and every 'determined' joint of
   `Rig.observability()` -- gets the SVD (Kabsch) rotation taking its rest child offsets to the
   observed child bones, in its parent's frame; every other joint with a designated child c gets
-  `R_j = Rmin(normalize(o_c) -> G_hat_parent.T @ b_j)`, `b_j = p_c - p_j`; leaves get identity.
-  A root with a single rigid child bone is solved like a swing joint (a Kabsch rotation from one
-  vector leaves the twist to the SVD's arbitrary basis). On clean input every bone direction is
-  reproduced, so FK gives the observed positions.
+  `R_j = Rmin(R0_j normalize(o_c) -> G_hat_parent.T @ b_j) @ R0_j`, `b_j = p_c - p_j`: the
+  reference pose's local rotation `R0_j`, swung minimally (in the parent's frame) until the bone
+  points where the positions say; leaves get `R0_j`. A root with a single rigid child bone is
+  solved like a swing joint (a Kabsch rotation from one vector leaves the twist to the SVD's
+  arbitrary basis). On clean input every bone direction is reproduced, so FK gives the observed
+  positions.
+  The reference `R0` (stated, DESIGN section 6 read for any rig): the rig's reference pose
+  (`Rig.reference_local()`: `F_parent^T F_j`, skeleton.py), which is its natural T-pose; for
+  `cmu_body` and `smpl22` that is the zero pose, `R0 = I`, DESIGN's formula exactly. It is never
+  the zero pose of a rig that names another reference pose, because the zero pose depends on how
+  the rig binds its joints (a zero pose with the spine horizontal is legal BVH). `reference=`
+  takes another (e.g. the mean training pose: on the CMU test split 9.3 deg instead of 13.0,
+  twist 7.8 instead of 14.8, leaves 15.2 instead of 13.0). Rig invariance: with `A_j` fixed
+  per-joint binds (`o'_c = A_j^T o_c`, `R0'_j = A_p^T R0_j A_j`, `G'_p = G_p A_p` by induction),
+  `Rmin(A_p^T u -> A_p^T v) = A_p^T Rmin(u -> v) A_p` gives `R'_j = A_p^T R_j A_j` exactly, and
+  Kabsch is equivariant the same way (SVD of `A_p^T M A_j`).
 - `mean_pose` / `mean_pose_ik`: the chordal L2 mean of the training local rotations (SVD
-  projection of the mean matrix) with the analytic (Kabsch) root.
+  projection of the mean matrix) with the analytic (Kabsch) root. Rig-invariant as it stands:
+  the mean of `A_p^T R_j A_j` is `A_p^T mean(R_j) A_j` and the SVD projection commutes with
+  fixed rotations on either side.
 - Iterative IK: one optimisation core `_optimize` (fixed budget, `lax.scan` over iterations;
   Adam with a cosine-decayed step, or optax L-BFGS with its zoom line search) minimising, for ONE
   frame, `w_data * sum_j |FK(params)_j - p_j|^2` (metres, root translation fixed to the target
@@ -28,8 +42,12 @@ Choices written down:
 - Adam's step follows a cosine decay from `lr` to `lr * final_lr_frac` over the budget (a constant
   step leaves a jitter of about `lr` in 6D units, mm-level on limbs), with b2 = 0.9 (see
   `SolverConfig`).
-- `init_root` applies to both parameterisations; the non-root joints start at the rest pose
-  (identity) without a prior and at `z = 0` with one.
+- `init_root` applies to both parameterisations; the non-root joints start at the rig's
+  reference pose (`Rig.reference_local()`; identity for a rig whose zero pose is its reference,
+  as before) without a prior and at `z = 0` with one; `init_root='identity'` starts the root at
+  the reference pose's root orientation (identity there too). Not exactly rig-invariant: the
+  6D parameterisation `GS(x)` does not commute with right-multiplication by a bind, so Adam's
+  path differs on a re-rigged rig (same start pose, same optimum set).
 - The loss trace has `iters + 1` entries: the loss at the start and after every iteration.
 - Measured on 07_01 (316 clean frames, rotations without a prior, 300 iterations): MPJPE 0.14 mm
   but local rotation error 21.9 deg against swing IK's 11.5: the unobserved twists have no
@@ -86,11 +104,12 @@ def _spans_plane(j: int, rig: Rig) -> bool:
 
 
 def _joint_rotation(j: int, positions: jax.Array, offsets: jax.Array, G_parent: jax.Array,
-                    rig: Rig) -> jax.Array:
+                    rig: Rig, reference: jax.Array | None = None) -> jax.Array:
   """Local rotation `[..., 3, 3]` of joint j from observed positions, given its parent's frame.
 
   `positions, offsets: [..., J, 3]`, `G_parent: [..., 3, 3]` (world rotation of j's parent,
-  identity for the root).
+  identity for the root); `reference: [J, 3, 3]` the local rotations swings start from (None:
+  identity, the zero pose).
   """
   to_parent = lambda v: jnp.einsum('...ba,...b->...a', G_parent, v)  # G_parent.T @ v
   if _spans_plane(j, rig):
@@ -99,10 +118,24 @@ def _joint_rotation(j: int, positions: jax.Array, offsets: jax.Array, G_parent: 
     observed = jnp.einsum('...ba,...kb->...ka', G_parent, bones)
     return kabsch(offsets[..., kids, :], observed)
   c = rig.designated_children[j]
+  R0 = None if reference is None else reference[j].astype(positions.dtype)
   if c < 0:
-    return jnp.broadcast_to(jnp.eye(3, dtype=positions.dtype), G_parent.shape)
+    return jnp.broadcast_to(jnp.eye(3, dtype=positions.dtype) if R0 is None else R0,
+                            G_parent.shape)
   bone = to_parent(positions[..., c, :] - positions[..., j, :])
-  return rotations.minimal_rotation(offsets[..., c, :], bone)
+  if R0 is None:
+    return rotations.minimal_rotation(offsets[..., c, :], bone)
+  rest = jnp.einsum('ab,...b->...a', R0, offsets[..., c, :])  # the bone in the reference pose
+  return rotations.minimal_rotation(rest, bone) @ R0
+
+
+def swing_reference(rig: Rig, reference: jax.Array | None = None) -> jax.Array | None:
+  """The local rotations `[J, 3, 3]` swing-only IK starts from: `reference` if given, else the
+  rig's reference pose (`Rig.reference_local()`), None for a rig whose zero pose is its
+  reference (the identity path, bit for bit what it was)."""
+  if reference is not None:
+    return jnp.asarray(reference)
+  return jnp.asarray(rig.reference_local()) if rig.has_reference_pose else None
 
 
 def _broadcast_pair(positions: jax.Array, offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -112,23 +145,27 @@ def _broadcast_pair(positions: jax.Array, offsets: jax.Array) -> tuple[jax.Array
           jnp.broadcast_to(offsets, batch + offsets.shape[-2:]))
 
 
-def swing_ik(positions: jax.Array, offsets: jax.Array, rig: Rig) -> jax.Array:
+def swing_ik(positions: jax.Array, offsets: jax.Array, rig: Rig,
+             reference: jax.Array | None = None) -> jax.Array:
   """Analytic swing-only IK (module docstring).
 
   Args:
     positions: `[..., J, 3]` observed world joint positions (metres).
     offsets: `[..., J, 3]` or `[J, 3]` the subject's rest offsets (each in its parent's frame).
     rig: static rig.
+    reference: optional `[J, 3, 3]` local rotations to swing from (default: the rig's
+      reference pose, `swing_reference`).
 
   Returns:
     `[..., J, 3, 3]` local (parent-relative) rotations; the root's is its world rotation.
   """
   positions, offsets = _broadcast_pair(positions, offsets)
+  ref = swing_reference(rig, reference)
   eye = jnp.broadcast_to(jnp.eye(3, dtype=positions.dtype), positions.shape[:-2] + (3, 3))
   G, R = [], []
   for j, p in enumerate(rig.parents):
     G_parent = eye if p < 0 else G[p]
-    R.append(_joint_rotation(j, positions, offsets, G_parent, rig))
+    R.append(_joint_rotation(j, positions, offsets, G_parent, rig, ref))
     G.append(G_parent @ R[-1])
   return jnp.stack(R, axis=-3)
 
@@ -137,7 +174,7 @@ def root_rotation(positions: jax.Array, offsets: jax.Array, rig: Rig) -> jax.Arr
   """The analytic root rotation of `swing_ik` alone: `[..., J, 3]` -> `[..., 3, 3]` (world)."""
   positions, offsets = _broadcast_pair(positions, offsets)
   eye = jnp.broadcast_to(jnp.eye(3, dtype=positions.dtype), positions.shape[:-2] + (3, 3))
-  return _joint_rotation(0, positions, offsets, eye, rig)
+  return _joint_rotation(0, positions, offsets, eye, rig, swing_reference(rig))
 
 
 def mean_pose(train_local_rot: jax.Array) -> jax.Array:
@@ -289,14 +326,17 @@ def _initial_root(positions: jax.Array, offsets: jax.Array, rig: Rig,
   """`[..., J, 3]` -> initial root rotation `[..., 3, 3]` per `config.init_root`."""
   if config.init_root == 'analytic':
     return root_rotation(positions, offsets, rig)
-  return jnp.broadcast_to(jnp.eye(3, dtype=positions.dtype), positions.shape[:-2] + (3, 3))
+  start = rig.reference_local()[0] if rig.has_reference_pose else jnp.eye(3)
+  return jnp.broadcast_to(jnp.asarray(start, positions.dtype), positions.shape[:-2] + (3, 3))
 
 
 def _rotation_init(positions, offsets, rig, config, init_local=None) -> Params:
-  """`[..., J, 3]` -> `[..., J, 6]`: rest pose with the configured root, or `init_local`."""
+  """`[..., J, 3]` -> `[..., J, 6]`: the rig's reference pose (the zero pose unless the rig names
+  another) with the configured root, or `init_local`."""
   if init_local is None:
     root = _initial_root(positions, offsets, rig, config)
-    init_local = jnp.broadcast_to(jnp.eye(3, dtype=root.dtype), positions.shape + (3,))
+    start = rig.reference_local() if rig.has_reference_pose else jnp.eye(3)
+    init_local = jnp.broadcast_to(jnp.asarray(start, root.dtype), positions.shape + (3,))
     init_local = init_local.at[..., 0, :, :].set(root)
   return rotations.sixd_from_matrix(init_local)
 

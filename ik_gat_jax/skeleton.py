@@ -11,6 +11,18 @@ Choices written down (DESIGN leaves them open):
 - The observability class of a joint: `determined` if it has two or more children at a
   different position whose rest offsets are not collinear (the positions then fix its whole
   rotation), `swing` if it has a designated child otherwise, `leaf` if it has none.
+- Reference pose (DESIGN section 3, "Rig invariance"). A rig's zero pose (every local rotation
+  identity) depends on how the rig binds its joints and may be a crumpled, non-natural pose. A
+  rig therefore names its *reference pose*: `reference_pose[j]`, the world rotation `F_j` (a
+  (w, x, y, z) quaternion) of joint j's frame in a natural, mirror-symmetric pose facing
+  `forward` (a T-pose); empty means the zero pose is that pose (`cmu_body`, `smpl22`: every
+  `F_j = I`). Everything that needs a natural pose reads the rest geometry *in the world at the
+  reference pose* instead of the zero pose: the reference-axis choice, the rest bone frames
+  (bone_frames.py), a leaf's inherited direction, swing-only IK's starting pose
+  (iterative_ik.py), the mirror (input_pipeline.py) and the heading's hip pair. Re-rigging joint
+  j by a fixed `A_j` (frame times `A_j`) maps `F_j -> F_j A_j` and offsets `o_j -> A_p^T o_j`,
+  so every world quantity at the reference pose (`F_p o_j`) is unchanged: these all become
+  rig-invariant (`B'_j = A_j^T B_j` exactly).
 """
 
 from __future__ import annotations
@@ -124,6 +136,9 @@ class Rig:
     up, forward: unit world axes of the rig (e.g. +y and +z for CMU).
     mirror: `[J]` left/right partner of each joint (an involution; self for centre joints).
     template_offsets: `[J][3]` template rest offsets in metres (mean over subjects), or ().
+    reference_pose: `[J][4]` world rotation (w, x, y, z) of every joint's frame in the rig's
+      natural reference pose, or () when that is the zero pose (module docstring). Left out of
+      `to_json` (and so of the fingerprint) when empty.
   """
   name: str
   joint_names: tuple[str, ...]
@@ -134,6 +149,7 @@ class Rig:
   forward: Vec3
   mirror: tuple[int, ...]
   template_offsets: tuple[Vec3, ...] = ()
+  reference_pose: tuple[tuple[float, float, float, float], ...] = ()
 
   def __post_init__(self):
     validate_rig(self)
@@ -173,6 +189,54 @@ class Rig:
     ax = {'up': np.asarray(self.up), 'forward': np.asarray(self.forward)}
     return np.stack([ax[a] for a in self.reference_axes])
 
+  @property
+  def has_reference_pose(self) -> bool:
+    """True when the rig names a reference pose other than its zero pose."""
+    return bool(self.reference_pose)
+
+  def reference_rotations(self) -> np.ndarray:
+    """`[J, 3, 3]` float64 world rotations `F_j` of the reference pose (identity if none)."""
+    if not self.reference_pose:
+      return np.broadcast_to(np.eye(3), (self.num_joints, 3, 3)).copy()
+    return matrix_from_quat_np(np.asarray(self.reference_pose, np.float64))
+
+  def reference_local(self) -> np.ndarray:
+    """`[J, 3, 3]` local rotations of the reference pose: `F_parent^T F_j` (root: `F_root`)."""
+    F = self.reference_rotations()
+    return np.stack([F[j] if p < 0 else F[p].T @ F[j] for j, p in enumerate(self.parents)])
+
+  def reference_offsets(self, offsets: np.ndarray | None = None) -> np.ndarray:
+    """Rest offsets `[..., J, 3]` (default: the template) as world vectors in the reference
+    pose: `F_parent(j) o_j` (the root's offset, its rest position, as it is)."""
+    off = self.template() if offsets is None else np.asarray(offsets, np.float64)
+    if not self.reference_pose:
+      return off
+    F = self.reference_rotations()
+    Fp = np.stack([np.eye(3) if p < 0 else F[p] for p in self.parents])
+    return np.einsum('jab,...jb->...ja', Fp, off)
+
+  def reference_positions(self, offsets: np.ndarray | None = None) -> np.ndarray:
+    """Joint positions `[..., J, 3]` of the reference pose (default: the template's)."""
+    return rest_positions_np(self.reference_offsets(offsets), self.parents)
+
+  def mirror_asymmetry(self, offsets: np.ndarray | None = None) -> tuple[float, str]:
+    """`(degrees, joint)`: the largest angle between a bone of the reference pose (world offset
+    `w_j`, joints not co-located with their parent) and its mirror partner's reflected
+    (`M w_m(j)`, M the reflection of `lateral`); ~0 for a mirror-symmetric natural pose, large
+    for a crumpled zero pose. The check behind mirror augmentation (input_pipeline.py)."""
+    w = self.reference_offsets(offsets)
+    lat = np.asarray(self.lateral)
+    M = np.eye(3) - 2.0 * np.outer(lat, lat)
+    worst, name = 0.0, ''
+    for j, m in enumerate(self.mirror):
+      if self.parents[j] < 0 or np.linalg.norm(w[j]) <= _COLOCATED_M:
+        continue
+      a, b = w[j] / np.linalg.norm(w[j]), M @ w[m] / max(np.linalg.norm(w[m]), 1e-12)
+      angle = math.degrees(math.atan2(np.linalg.norm(np.cross(a, b)), float(a @ b)))
+      if angle > worst:
+        worst, name = angle, self.joint_names[j]
+    return worst, name
+
   def observability(self, offsets: np.ndarray | None = None) -> tuple[str, ...]:
     """Per joint 'determined', 'swing' or 'leaf' (module docstring)."""
     off = self.template() if offsets is None else np.asarray(offsets, np.float64)
@@ -211,7 +275,10 @@ class Rig:
     return tuple(tuple(bool(x) for x in row) for row in adj)
 
   def to_json(self) -> dict:
-    return dataclasses.asdict(self)
+    d = dataclasses.asdict(self)
+    if not d['reference_pose']:
+      del d['reference_pose']  # rigs without one keep the JSON (and fingerprint) they had
+    return d
 
   @classmethod
   def from_json(cls, d: dict) -> 'Rig':
@@ -257,6 +324,14 @@ def validate_rig(rig: Rig) -> None:
   for a in rig.reference_axes:
     if a not in ('up', 'forward'):
       raise RigError(f'reference axis must be "up" or "forward", got {a!r}')
+  if rig.reference_pose:
+    q = np.asarray(rig.reference_pose, np.float64)
+    if q.shape != (J, 4) or not np.isfinite(q).all():
+      raise RigError(f'reference_pose has shape {q.shape}, expected ({J}, 4) finite quaternions')
+    bad = np.abs(np.linalg.norm(q, axis=-1) - 1.0) > 1e-6
+    if bad.any():
+      raise RigError(f'reference_pose of {rig.joint_names[int(np.argmax(bad))]!r} is not a unit '
+                     'quaternion')
   up, fw = _unit(rig.up), _unit(rig.forward)
   if abs(float(up @ fw)) > 1e-6:
     raise RigError(f'up {rig.up} and forward {rig.forward} must be perpendicular')
@@ -276,9 +351,16 @@ def validate_rig(rig: Rig) -> None:
 
 def choose_reference_axes(offsets: np.ndarray, parents: Sequence[int],
                           designated_children: Sequence[int], up: Vec3,
-                          forward: Vec3) -> tuple[str, ...]:
-  """'forward' where a template bone is within 45 degrees of the up line, else 'up'."""
-  d = rest_bone_directions_np(offsets, parents, designated_children)
+                          forward: Vec3, reference: np.ndarray | None = None
+                          ) -> tuple[str, ...]:
+  """'forward' where a template bone is within 45 degrees of the up line, else 'up'.
+
+  The bones are taken in the world at the reference pose (`reference`: `[J, 3, 3]` world
+  rotations F, None for the zero pose): `F_j d_j`.
+  """
+  d = rest_bone_directions_np(offsets, parents, designated_children, reference)
+  if reference is not None:
+    d = np.einsum('jab,...jb->...ja', np.asarray(reference, np.float64), d)
   cos_up = np.abs(d @ _unit(up))
   return tuple('forward' if c > _COS45 else 'up' for c in cos_up)
 
@@ -296,8 +378,13 @@ def rest_direction_joints(parents: Sequence[int],
 
 
 def rest_bone_directions_np(offsets: np.ndarray, parents: Sequence[int],
-                            designated_children: Sequence[int]) -> np.ndarray:
-  """`[..., J, 3]` unit rest bone directions (float64), by `rest_direction_joints`."""
+                            designated_children: Sequence[int],
+                            reference: np.ndarray | None = None) -> np.ndarray:
+  """`[..., J, 3]` unit rest bone directions (float64), each in its joint's own frame, by
+  `rest_direction_joints`. A direction taken from another joint's child (a leaf's, from its
+  parent's bone) is carried through the reference pose (`reference`: `[J, 3, 3]` world
+  rotations F; None: the zero pose, every F = I): `d_j = F_j^T F_owner o_s / |o_s|`, the same
+  world direction in j's frame, so it does not depend on the rig's bind."""
   offsets = np.asarray(offsets, dtype=np.float64)
   source = rest_direction_joints(parents, designated_children)
   d = np.zeros_like(offsets)
@@ -305,25 +392,84 @@ def rest_bone_directions_np(offsets: np.ndarray, parents: Sequence[int],
   has = [j for j, s in enumerate(source) if s >= 0]
   o = offsets[..., [source[j] for j in has], :]
   d[..., has, :] = o / np.linalg.norm(o, axis=-1, keepdims=True)
+  if reference is not None:
+    for j, K in inherited_direction_rotations(parents, designated_children, reference).items():
+      d[..., j, :] = d[..., j, :] @ K.T
   return d
+
+
+def inherited_direction_rotations(parents: Sequence[int], designated_children: Sequence[int],
+                                  reference: np.ndarray) -> dict[int, np.ndarray]:
+  """Joint -> `F_j^T F_owner` `[3, 3]` for every joint whose rest direction comes from an offset
+  in another joint's frame (`owner` = the parent of its `rest_direction_joints` source)."""
+  F = np.asarray(reference, np.float64)
+  out = {}
+  for j, s in enumerate(rest_direction_joints(parents, designated_children)):
+    if s >= 0 and parents[s] != j:
+      out[j] = F[j].T @ F[parents[s]]
+  return out
+
+
+def matrix_from_quat_np(q: np.ndarray) -> np.ndarray:
+  """(w, x, y, z) quaternions `[..., 4]` (normalised here) -> rotation matrices `[..., 3, 3]`."""
+  q = np.asarray(q, np.float64)
+  w, x, y, z = np.moveaxis(q / np.linalg.norm(q, axis=-1, keepdims=True), -1, 0)
+  return np.stack([
+      np.stack([1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y)], -1),
+      np.stack([2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x)], -1),
+      np.stack([2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)], -1)], -2)
+
+
+def quat_from_matrix_np(R: np.ndarray) -> np.ndarray:
+  """Rotation matrices `[..., 3, 3]` -> (w, x, y, z) unit quaternions with w >= 0 (float64)."""
+  R = np.asarray(R, np.float64)
+  m = R.reshape(-1, 3, 3)
+  out = np.empty((len(m), 4))
+  for i, r in enumerate(m):  # Shepperd: the largest of w, x, y, z first (stable everywhere)
+    t = np.array([np.trace(r), r[0, 0], r[1, 1], r[2, 2]])
+    k = int(np.argmax(t))
+    if k == 0:
+      w = 0.5 * math.sqrt(max(1.0 + t[0], 0.0))
+      q = [w, (r[2, 1] - r[1, 2]) / (4 * w), (r[0, 2] - r[2, 0]) / (4 * w),
+           (r[1, 0] - r[0, 1]) / (4 * w)]
+    else:
+      a = k - 1
+      b, c = (a + 1) % 3, (a + 2) % 3
+      v = 0.5 * math.sqrt(max(1.0 + r[a, a] - r[b, b] - r[c, c], 0.0))
+      q = [0.0] * 4
+      q[0] = (r[c, b] - r[b, c]) / (4 * v)
+      q[1 + a] = v
+      q[1 + b] = (r[b, a] + r[a, b]) / (4 * v)
+      q[1 + c] = (r[c, a] + r[a, c]) / (4 * v)
+    q = np.asarray(q)
+    out[i] = (q if q[0] >= 0 else -q) / np.linalg.norm(q)
+  return out.reshape(R.shape[:-2] + (4,))
 
 
 def make_rig(name: str, joint_names: Sequence[str], parents: Sequence[int],
              template_offsets: np.ndarray, up: Vec3, forward: Vec3,
              designated_children: Sequence[int] | None = None,
-             mirror: Sequence[int] | None = None) -> Rig:
-  """Builds a rig, deriving designated children, reference axes and mirror map when not given."""
+             mirror: Sequence[int] | None = None,
+             reference_pose: np.ndarray | None = None) -> Rig:
+  """Builds a rig, deriving designated children, reference axes and mirror map when not given.
+
+  `reference_pose`: `[J, 3, 3]` world rotations of the rig's natural pose (module docstring),
+  None when the zero pose is that pose; the reference axes are chosen at it.
+  """
   off = np.asarray(template_offsets, dtype=np.float64)
   parents = tuple(int(p) for p in parents)
   dc = (tuple(int(c) for c in designated_children) if designated_children is not None
         else choose_designated_children(parents, off))
-  ref = choose_reference_axes(off, parents, dc, up, forward)
+  F = None if reference_pose is None else np.asarray(reference_pose, np.float64)
+  ref = choose_reference_axes(off, parents, dc, up, forward, F)
   mir = tuple(mirror) if mirror is not None else mirror_map_from_names(joint_names)
+  quats = () if F is None else tuple(tuple(float(x) for x in q) for q in quat_from_matrix_np(F))
   return Rig(name=name, joint_names=tuple(joint_names), parents=parents,
              designated_children=dc, reference_axes=ref,
              up=tuple(float(x) for x in _unit(up)),
              forward=tuple(float(x) for x in _unit(forward)), mirror=mir,
-             template_offsets=tuple(tuple(float(x) for x in row) for row in off))
+             template_offsets=tuple(tuple(float(x) for x in row) for row in off),
+             reference_pose=quats)
 
 
 # ----------------------------------------------------------------------------------------------

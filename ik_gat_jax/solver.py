@@ -247,8 +247,9 @@ def check_plausibility(positions: np.ndarray, rig: Rig, scale: float = 1.0) -> l
 
 
 def _top_joint(rig: Rig) -> int:
-  """The joint highest above the root at rest (the head)."""
-  rest = rest_positions_np(rig.template(), rig.parents)
+  """The joint highest above the root at rest (the head), in the rig's reference pose (its
+  natural pose; the zero pose unless the rig names another)."""
+  rest = rig.reference_positions()
   return int(np.argmax((rest - rest[0]) @ np.asarray(rig.up)))
 
 

@@ -448,3 +448,37 @@ def test_z_up_source_is_turned_into_the_rig_world(tmp_path, cmu_dir):
   np.testing.assert_allclose(z.positions, y.positions, atol=1e-5)
   np.testing.assert_allclose(z.local_rot, y.local_rot, atol=1e-5)
   np.testing.assert_allclose(z.offsets, y.offsets, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Subjects are bodies (issue L): the root's OFFSET, a dummy root's included, does not count.
+
+
+def test_files_differing_only_in_the_root_offset_are_one_subject(tmp_path, cmu_dir):
+  from data_prep import rerig
+  src = tmp_path / 'src'
+  src.mkdir()
+  m = bvh.read_bvh(cmu_dir / '07_12.bvh')
+  m.motion = m.motion[:41]
+  bvh.write_bvh(src / '07_12.bvh', m)
+  m.joints[0].offset = np.array([5.0, 0.0, 3.0])  # the root's OFFSET: its channels place it
+  bvh.write_bvh(src / '07_98.bvh', m)
+  longer = bvh.read_bvh(src / '07_12.bvh')
+  femur = longer.names.index('LeftLeg')
+  longer.joints[femur].offset = longer.joints[femur].offset * 1.01  # another body
+  bvh.write_bvh(src / '07_99.bvh', longer)
+  conversion.convert(src, 'cmu_body', tmp_path / 'out', split='train', log=quiet)
+  subjects = json.loads((tmp_path / 'out' / 'subjects.json').read_text())
+  assert [(s['name'], s['files']) for s in subjects] == [('07', 2), ('07~1', 1)]
+  # A dummy root whose OFFSET changes per file (rerig.py draws it from the file name).
+  rerig.rerig_directory(src, tmp_path / 'rr', files=['07_12', '07_98'], log=quiet)
+  offsets = [f['reference_offset'] for f in json.loads(
+      (tmp_path / 'rr' / 'rerig.json').read_text())['files']]
+  assert np.abs(np.subtract(*offsets)).max() > 1.0
+  conversion.convert(tmp_path / 'rr', str(tmp_path / 'rr' / rerig.JOINT_MAP),
+                     tmp_path / 'out_rr', split='train', log=quiet)
+  subjects = json.loads((tmp_path / 'out_rr' / 'subjects.json').read_text())
+  assert [(s['name'], s['files']) for s in subjects] == [('07', 2)]
+  assert conversion.same_body(np.zeros((3, 3)), np.array([[1.0, 2, 3], [0, 0, 0], [0, 0, 0]]))
+  assert not conversion.same_body(np.zeros((3, 3)), np.array([[0.0, 0, 0], [0, 1e-5, 0],
+                                                              [0, 0, 0]]))

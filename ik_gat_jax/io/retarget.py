@@ -6,10 +6,14 @@ and 7). Joint maps are JSON files (`joint_maps/NAME.json`, schema `joint_maps/sc
 
 Choices written down (DESIGN leaves them open):
 - Reduction. Every source joint is mapped to a rig joint, pruned (with its whole subtree), or
-  removed. A removed joint between two mapped joints must rotate by at most 1e-3 degrees in every
-  converted frame; its constant translation adds to the child's offset and its (near-identity)
-  rotation is multiplied into the child's local rotation, so the child's world rotation stays
-  exact. Joints above the rig's root (a dummy root, "Armature") fold into the root's world
+  removed. A removed joint between two mapped joints must keep a *constant* rotation C (within
+  1e-3 degrees of its first converted frame's in every frame; C = I when that is within 1e-3
+  degrees of identity, DESIGN's case, bit for bit as before): its translation and C carry the
+  child's offset, `o_child' = t_removed + C t_child`, and its per-frame rotation is multiplied
+  into the child's local rotation, so the child's world rotation stays exact. Constant, not
+  identity: a re-rigged source binds every joint by some fixed rotation, under which DESIGN's
+  "identity in every frame" (CMU's LHipJoint, LeftShoulder) becomes "the same in every frame",
+  and the rule must not depend on the bind (DESIGN section 3, rig invariance). Joints above the rig's root (a dummy root, "Armature") fold into the root's world
   transform exactly, moving or not. Position channels of any other joint must be constant (within
   1e-6 m); their value replaces the OFFSET (BVH semantics) and becomes the rig offset.
 - Axes. When the source's up/forward differ from the rig's, the world is re-labelled by the
@@ -29,13 +33,22 @@ Choices written down (DESIGN leaves them open):
   every converted frame and rig joint (in the rig's world). Above 1e-5 m the file is refused.
   Slerped frames come from the same FK, so they are consistent with the verified rotations.
 - `--rig=auto` keeps every source joint except pruned subtrees, motionless single-child roots
-  (folded) and joints with children whose rotation is identity in every frame of every input
-  file (removed); rig names are the source names, the template is the mean subject offsets, and
-  designated children, reference axes and mirror map follow DESIGN section 4 and the names.
+  (folded) and joints with children whose rotation is constant (within 1e-3 degrees of the first
+  file's first frame) in every frame of every input file (removed); rig names are the source
+  names, the template is the mean subject offsets, and designated children, reference axes and
+  mirror map follow DESIGN section 4 and the names.
   The rig's rest pose is the file's zero pose (all channels 0, OFFSETs as written): a file whose
   joints carry bind rotations (game-engine exports) keeps them, so its local rotations are the
   bind-conjugated ones `C_parent^T R C_joint`, consistent with that rest pose; positions are
   the same either way.
+- Reference pose (`skeleton.Rig.reference_pose`). A joint map's `reference_pose` names the
+  source's natural, mirror-symmetric pose facing `forward`: "zero" (default: the zero pose is
+  it), "first_frame" (frame 0 of the first input file, before dropping: MotionBuilder/cgspeed
+  exports start with a T-pose), or an object `{source joint: [its rotation channel values in
+  degrees, channel order]}` (joints not listed: 0). It becomes the world frame `F_k` of every rig
+  joint in that pose (`reference_rotations`: the full source FK of that one frame, then the
+  axes' W, `F' = W F W^T`). A derived rig stores it; a joint map naming a rig must agree with
+  the rig's (within 0.01 degrees), else the conversion is refused.
 - End sites (issue G2). Every rig leaf (a joint without rig children: CMU Head, hands, toes)
   gets the world position of one source `End Site`: its own, else the one in its pruned subtree
   farthest from it in the rest pose (CMU hands: the LeftHandIndex1 tip, not the thumb's; ties:
@@ -72,6 +85,8 @@ JOINT_MAP_DIR = Path(__file__).resolve().parent / 'joint_maps'
 SCHEMA_PATH = JOINT_MAP_DIR / 'schema.json'
 
 IDENTITY_TOL_DEG = 1e-3  # a removed joint may rotate this much (DESIGN section 3)
+REFERENCE_POSES = ('zero', 'first_frame')  # joint map `reference_pose` names (module docstring)
+REFERENCE_TOL_DEG = 0.01  # a joint map's reference pose vs its rig's
 STATIC_TOL_M = 1e-6  # position channels moving less than this are constant
 FK_TOL_M = 1e-5  # verification threshold (DESIGN section 3)
 FPS_SNAP_REL = 1e-4  # relative distance of a frame rate to an integer that snaps to it
@@ -151,6 +166,7 @@ class JointMap:
   drop_first_frame: bool = False
   subject_regex: str | None = None
   default_split: str | None = None
+  reference_pose: str | tuple[tuple[str, tuple[float, ...]], ...] | None = None
   name: str = 'auto'
   base_dir: Path = JOINT_MAP_DIR
   sha256: str | None = None
@@ -165,6 +181,10 @@ class JointMap:
         re.compile(self.subject_regex)
       except re.error as e:
         raise ConversionError(f'joint map {self.name}: bad subject_regex: {e}') from None
+    if isinstance(self.reference_pose, str) and self.reference_pose not in REFERENCE_POSES:
+      raise ConversionError(f'joint map {self.name}: reference_pose must be one of '
+                            f'{", ".join(REFERENCE_POSES)} or per-joint channel values, got '
+                            f'{self.reference_pose!r}')
     world_rotation(self.up, self.forward, (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))  # checks the axes
 
   def with_overrides(self, **kw) -> 'JointMap':
@@ -176,13 +196,16 @@ def joint_map_from_json(doc: dict, name: str, base_dir: Path, sha256: str | None
   validate_json(doc, json.loads(SCHEMA_PATH.read_text()), name)
   pairs = lambda key: (tuple(tuple(p) for p in doc[key]) if key in doc else None)  # noqa: E731
   dc = doc.get('designated_children')
+  ref = doc.get('reference_pose')
+  if isinstance(ref, dict):
+    ref = tuple((k, tuple(float(x) for x in v)) for k, v in ref.items())
   return JointMap(
       joints=tuple(doc['joints'].items()), units=float(doc['units']), up=doc['up'],
       forward=doc['forward'], rig=doc.get('rig'), prune=tuple(doc.get('prune', ())),
       designated_children=tuple(dc.items()) if dc is not None else None,
       mirror_pairs=pairs('mirror_pairs'), drop_first_frame=doc.get('drop_first_frame', False),
       subject_regex=doc.get('subject_regex'), default_split=doc.get('default_split'),
-      name=name, base_dir=base_dir, sha256=sha256)
+      reference_pose=ref, name=name, base_dir=base_dir, sha256=sha256)
 
 
 def load_joint_map(spec: str) -> JointMap:
@@ -404,10 +427,22 @@ def _translations(motion: bvh.BVHMotion) -> list[np.ndarray]:
   return out
 
 
+def constant_rotation(R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """`R [T, 3, 3]` -> `(C [3, 3], degrees [T])`: the constant a removed joint keeps (identity
+  when its first frame is within IDENTITY_TOL_DEG of it, else the first frame's rotation) and
+  each frame's angle from it."""
+  if not len(R):
+    return np.eye(3), np.zeros(0)
+  C = R[0] if rotation_angles_deg(R[:1])[0] > IDENTITY_TOL_DEG else np.eye(3)
+  return C, rotation_angles_deg(np.swapaxes(C, -1, -2) @ R)
+
+
 def _check_removals(motion: bvh.BVHMotion, plan: Reduction, R: np.ndarray,
-                    scale: float) -> None:
-  """Refuses moving position channels below the rig root and rotating removed joints."""
+                    scale: float) -> dict[int, np.ndarray]:
+  """Refuses moving position channels below the rig root and removed joints whose rotation is
+  not constant; returns the removed joints' constant rotations (source index -> C)."""
   names = motion.names
+  constants = {}
   for k in range(1, len(plan.names)):
     for j in plan.folded[k] + (plan.source[k],):
       pc = motion.position_channels(j)
@@ -416,12 +451,16 @@ def _check_removals(motion: bvh.BVHMotion, plan: Reduction, R: np.ndarray,
                               f'{np.ptp(pc, axis=0).max() * scale:.3g} m); only the root may '
                               'translate')
     for j in plan.folded[k]:
-      angle = rotation_angles_deg(R[:, j])
+      C, angle = constant_rotation(R[:, j])
       if angle.max() > IDENTITY_TOL_DEG:
         raise ConversionError(
             f'joint {names[j]} is not in the rig but rotates (by {angle.max():.3g} degrees in '
-            f'frame {int(angle.argmax())}); a joint is removed only if its rotation is identity '
-            f'within {IDENTITY_TOL_DEG:g} degrees in every frame: map it to a rig joint')
+            f'frame {int(angle.argmax())}) away from its '
+            f'{"identity" if np.array_equal(C, np.eye(3)) else "first frame"} rotation; a joint '
+            f'is removed only if its rotation is constant within {IDENTITY_TOL_DEG:g} degrees in '
+            'every frame: map it to a rig joint')
+      constants[j] = C
+  return constants
 
 
 def reduce_motion(motion: bvh.BVHMotion, plan: Reduction, scale: float,
@@ -430,7 +469,7 @@ def reduce_motion(motion: bvh.BVHMotion, plan: Reduction, scale: float,
   T, J = motion.num_frames, len(plan.names)
   R = source_local_rotations(motion)
   t = _translations(motion)
-  _check_removals(motion, plan, R, scale)
+  constants = _check_removals(motion, plan, R, scale)
   local = np.empty((T, J, 3, 3))
   offsets = np.empty((J, 3))
   root_chain = plan.folded[0] + (plan.source[0],)
@@ -446,7 +485,12 @@ def reduce_motion(motion: bvh.BVHMotion, plan: Reduction, scale: float,
     for j in chain[1:]:
       rot = rot @ R[:, j]
     local[:, k] = rot
-    offsets[k] = sum(t[j][0] for j in chain)
+    offset, C = np.zeros(3), np.eye(3)
+    for j in chain:  # o = t_f1 + C_f1 t_f2 + ... + (C_f1 ... C_fn) t_source
+      offset = offset + (t[j][0] if j == chain[0] else C @ t[j][0])
+      if j in constants:
+        C = C @ constants[j]
+    offsets[k] = offset
   return ReducedMotion(local_rot=W @ local @ W.T, root_pos=scale * root_pos @ W.T,
                        offsets=scale * offsets @ W.T)
 
@@ -617,29 +661,79 @@ def end_site_names(rig_names: Sequence[str], parents: Sequence[int]) -> list[str
 
 
 
+def reference_rotations(path: str | os.PathLike, jmap: JointMap, plan: Reduction,
+                        W: np.ndarray) -> np.ndarray | None:
+  """`[J, 3, 3]` world frames (rig world) of the rig joints in the joint map's reference pose
+  (module docstring), read from the BVH at `path`; None for the zero pose."""
+  spec = jmap.reference_pose
+  if spec is None or spec == 'zero':
+    return None
+  try:
+    motion = bvh.read_bvh(path)
+  except bvh.BVHError as e:
+    raise ConversionError(str(e)) from None
+  if spec == 'first_frame':
+    if motion.num_frames < 1:
+      raise ConversionError(f'{path}: reference_pose first_frame needs a frame')
+    row = motion.motion[:1].copy()
+  else:
+    row = np.zeros((1, motion.num_channels))
+    index = {n: i for i, n in enumerate(motion.names)}
+    for name, values in spec:
+      if name not in index:
+        raise ConversionError(f'joint map {jmap.name}: reference_pose names {name!r}, which the '
+                              'BVH does not have')
+      j = index[name]
+      cols = [k for k, c in enumerate(motion.joints[j].channels) if c in bvh.ROTATION_CHANNELS]
+      if len(values) != len(cols):
+        raise ConversionError(f'joint map {jmap.name}: reference_pose of {name} has '
+                              f'{len(values)} values, its BVH rotation channels are {len(cols)}')
+      row[0, motion.channel_slice(j).start + np.asarray(cols, int)] = values
+  one = dataclasses.replace(motion, motion=row)
+  R = source_local_rotations(one)[0]
+  G = np.empty_like(R)
+  for j, p in enumerate(one.parents):
+    G[j] = R[j] if p < 0 else G[p] @ R[j]
+  return W @ G[list(plan.source)] @ W.T
+
+
+def check_reference(rig: skeleton.Rig, reference: np.ndarray | None, jmap: JointMap) -> None:
+  """Refuses a joint map whose declared reference pose differs from its rig's."""
+  F = rig.reference_rotations()
+  mine = np.broadcast_to(np.eye(3), F.shape) if reference is None else reference
+  angle = rotation_angles_deg(np.swapaxes(F, -1, -2) @ mine)
+  if angle.max() > REFERENCE_TOL_DEG:
+    k = int(angle.argmax())
+    raise ConversionError(f'joint map {jmap.name}: its reference pose differs from rig '
+                          f'{rig.name}\'s at {rig.joint_names[k]} by {angle[k]:.3g} degrees')
+
+
 # ----------------------------------------------------------------------------------------------
 # --rig=auto: a joint map derived from the files themselves.
 
 
 def derive_joint_map(paths: Sequence[str | os.PathLike], units: float, up: str = '+y',
                      forward: str = '+z', prune: Sequence[str] = (),
-                     drop_first_frame: bool = False, subject_regex: str | None = None
-                     ) -> JointMap:
+                     drop_first_frame: bool = False, subject_regex: str | None = None,
+                     reference_pose: str | None = None) -> JointMap:
   """Keeps every joint except: pruned subtrees; motionless single-child roots (folded into the
-  root below them); joints with children whose rotation is identity (within 1e-3 degrees) in
-  every frame of every file (removed). End Sites are never joints. Rig names = source names.
+  root below them); joints with children whose rotation is constant (within 1e-3 degrees of
+  the first file's first frame) in every frame of every file (removed). End Sites are never
+  joints. Rig names = source names.
   """
-  first, max_angle, still = None, None, None
+  first, max_angle, still, start = None, None, None, None
   for path in paths:
     motion, _ = read_motion(path, drop_first_frame)
+    R = source_local_rotations(motion)
     if first is None:
       first = (motion.names, motion.parents, path)
       max_angle = np.zeros(len(motion.names))
       still = np.ones(len(motion.names), bool)
+      start = R[0]  # "constant" is measured from the first file's first frame
     elif (motion.names, motion.parents) != first[:2]:
       raise ConversionError(f'{path}: joint hierarchy differs from {first[2]}; --rig=auto needs '
                             'one hierarchy (convert them separately or write a joint map)')
-    angles = rotation_angles_deg(source_local_rotations(motion))
+    angles = rotation_angles_deg(np.swapaxes(start, -1, -2)[None] @ R)
     max_angle = np.maximum(max_angle, angles.max(axis=0))
     for j, joint in enumerate(motion.joints):
       ptp = np.ptp(motion.motion[:, motion.channel_slice(j)], axis=0)
@@ -668,7 +762,8 @@ def derive_joint_map(paths: Sequence[str | os.PathLike], units: float, up: str =
     keep.append(j)
   return JointMap(joints=tuple((names[j], names[j]) for j in keep), units=units, up=up,
                   forward=forward, rig=None, prune=tuple(prune),
-                  drop_first_frame=drop_first_frame, subject_regex=subject_regex, name='auto')
+                  drop_first_frame=drop_first_frame, subject_regex=subject_regex,
+                  reference_pose=reference_pose, name='auto')
 
 
 def mirror_from_pairs(names: Sequence[str], pairs: Iterable[Sequence[str]]) -> tuple[int, ...]:
@@ -682,8 +777,10 @@ def mirror_from_pairs(names: Sequence[str], pairs: Iterable[Sequence[str]]) -> t
 
 
 def derive_rig(name: str, jmap: JointMap, names: Sequence[str], parents: Sequence[int],
-               subject_offsets: Sequence[np.ndarray]) -> skeleton.Rig:
-  """A y-up, +z-forward rig whose template is the mean of the subjects' rest offsets."""
+               subject_offsets: Sequence[np.ndarray],
+               reference: np.ndarray | None = None) -> skeleton.Rig:
+  """A y-up, +z-forward rig whose template is the mean of the subjects' rest offsets;
+  `reference`: `[J, 3, 3]` its reference pose (`reference_rotations`), None: the zero pose."""
   template = np.mean(np.stack(subject_offsets), axis=0)
   dc = list(skeleton.choose_designated_children(parents, template))
   for joint, child in jmap.designated_children or ():
@@ -694,7 +791,8 @@ def derive_rig(name: str, jmap: JointMap, names: Sequence[str], parents: Sequenc
             else None)
   try:
     return skeleton.make_rig(name, names, parents, template, up=(0.0, 1.0, 0.0),
-                             forward=(0.0, 0.0, 1.0), designated_children=dc, mirror=mirror)
+                             forward=(0.0, 0.0, 1.0), designated_children=dc, mirror=mirror,
+                             reference_pose=reference)
   except skeleton.RigError as e:
     raise ConversionError(f'cannot build rig {name!r}: {e}') from None
 
