@@ -15,6 +15,13 @@ test split (`evaluation.evaluate`, the numbers `experiments.evaluate` prints) an
 forward pass at batch 1024, writing `<root>/results.json` and `<root>/tables.md`. Time it on an
 otherwise idle machine: its frames/s column is a measurement, the error columns are not
 affected.
+
+Table 'robust' (issue J): every row trains with the tracker noise model (NOISE_MODEL_ARGS), then
+adds the v2 recipe (heading canonicalisation instead of yaw augmentation, observed-direction
+head), the observed-direction blend, the noise-level input; seeds 0 and 1
+(`--mode=list --only=robust`). The report gives the rows of CURVE_TABLES (baseline, noise,
+robust) the noise curve 0-50 mm (NOISE_LEVELS_MM), over all test frames and the unseen subject,
+and every row its unseen-subject error.
 """
 
 import dataclasses
@@ -40,7 +47,8 @@ _DATA = flags.DEFINE_string('data', None, 'Shard directory.')
 _ROOT = flags.DEFINE_string('root', 'runs/ablations', 'Directory of the runs and tables.')
 _MODE = flags.DEFINE_enum('mode', 'train', ['train', 'report', 'list'], 'What to do.')
 _STEPS = flags.DEFINE_integer('steps', 2000, 'Training steps of every row.')
-_ONLY = flags.DEFINE_list('only', None, 'Rows to train / report (default: all).')
+_ONLY = flags.DEFINE_list('only', None, 'Rows to train / report, by row or table name (e.g. '
+                          'robust; default: all).')
 _SKIP = flags.DEFINE_list('skip', [], 'Rows to leave out of training.')
 _SPLIT = flags.DEFINE_string('split', 'test', 'Split the report evaluates.')
 _NOISE_SIGMAS = flags.DEFINE_float('noise_sigmas', 2.0, 'Differences from the baseline smaller '
@@ -61,12 +69,31 @@ class Row:
 
 
 BASE_ARGS = ('--size=small', '--config.train.lr=2e-3', '--config.train.warmup_steps=200',
+             '--config.model.bone_chart=False',  # the recipe every row was trained with
              '--config.train.eval_every=1000', '--config.train.checkpoint_every=500')
 BASELINE = 'baseline'
 
 
 def _m(field, value):
   return f'--config.model.{field}={value}'
+
+
+# Issue J: the tracker noise model (input_pipeline.tracker_noise) and the 'v2' recipe.
+NOISE_MODEL_ARGS = ('--config.augment.noise_mm_max=50.0', '--config.augment.clean_frac=0.2',
+                    '--config.augment.bone_jitter=0.02', '--config.augment.outlier_prob=0.05')
+V2_ARGS = (_m('heading_canonicalization', True), '--config.augment.yaw=False',
+           _m('observed_direction_head', True))
+BLEND_ARGS = (_m('observed_direction_blend', True),)
+NOISE_LEVEL_ARGS = (_m('noise_level_input', True),)
+ROBUST_ROWS = tuple(
+    Row('robust', variant, args, seed) for seed in (0, 1) for variant, args in (
+        ('noise model', NOISE_MODEL_ARGS),
+        ('noise model + v2 (canonical heading, observed-direction head)',
+         NOISE_MODEL_ARGS + V2_ARGS),
+        ('noise model + v2 + blend (observed-direction blend)',
+         NOISE_MODEL_ARGS + V2_ARGS + BLEND_ARGS),
+        ('noise model + v2 + blend + noise level (noise-level input)',
+         NOISE_MODEL_ARGS + V2_ARGS + BLEND_ARGS + NOISE_LEVEL_ARGS)))
 
 
 # The baseline appears in every table under the name of its setting there.
@@ -102,19 +129,23 @@ ROWS = (
     Row('heading', 'canonicalised, no yaw aug', (_m('heading_canonicalization', True),
                                                  '--config.augment.yaw=False'), 1),
     Row('size', 'large', ('--size=large',)),
+    *ROBUST_ROWS,
 )
 # What the baseline is called in each table.
 BASELINE_LABEL = {'output': 'mixed (baseline)', 'adjacency': 'tree, both ways (baseline)',
                   'aggregation': 'attention (baseline)', 'alpha': 'alpha=0.1 (baseline)',
                   'head': 'no extra head (baseline)',
                   'heading': 'yaw augmentation (baseline)', 'arch': 'ikgat (baseline)',
-                  'size': 'small (baseline)', 'noise': 'no noise augmentation (baseline)'}
+                  'size': 'small (baseline)', 'noise': 'no noise augmentation (baseline)',
+                  'robust': 'no noise model (baseline)'}
 TABLE_TITLES = {'output': 'Output space', 'adjacency': 'Adjacency',
                 'aggregation': 'Attention vs mean aggregation', 'alpha': 'Position-loss weight alpha',
                 'head': 'Observed-direction head',
                 'heading': 'Heading canonicalisation vs yaw augmentation',
                 'arch': 'Architecture (about equal parameters)', 'size': 'Size (same steps)',
-                'noise': 'Input-noise augmentation (errors at 0 mm; noisy inputs below)'}
+                'noise': 'Input-noise augmentation (errors at 0 mm; noisy inputs below)',
+                'robust': 'Robustness to tracker noise (noise model on; errors at 0 mm, the '
+                          'whole noise curve below)'}
 
 
 def command(row: Row, root: Path, data: str, steps: int) -> list[str]:
@@ -134,7 +165,7 @@ def _status(workdir: Path) -> str:
 
 def _selected(rows):
   only = set(_ONLY.value or [])
-  return [r for r in rows if not only or r.name in only]
+  return [r for r in rows if not only or r.name in only or r.table in only]
 
 
 def train_all(root: Path, data: str, steps: int) -> None:
@@ -184,7 +215,11 @@ def _forward_fps(method, positions, offsets, batch: int = 1024, reps: int = 7) -
   return batch / float(np.median(times))
 
 
-NOISE_LEVELS_MM = (10, 20, 50)
+# The report's noise curve (evaluation's fixed protocol: i.i.d. Gaussian sigma per coordinate,
+# seed 0); 0 mm is the clean evaluation. Rows of CURVE_TABLES get it, all seeds.
+NOISE_LEVELS_MM = (10, 20, 30, 50)
+CURVE_TABLES = (BASELINE, 'noise', 'robust')
+UNSEEN = 'unseen_subject'  # the test part reported beside every row (per_part of the result)
 KEYS = ('local_rot_err_deg', 'root_rot_err_deg', 'twist_err_deg', 'swing_err_deg', 'mpjpe_mm',
         'local_rot_err_deg_leaf')
 
@@ -202,10 +237,19 @@ def report(root: Path, data_dir: str, split: str) -> None:
     if _status(workdir) != 'done':
       continue
     if row.name in results:
-      if 'flops_per_frame' not in results[row.name]:  # added to the report later
-        method = evaluation.make_method('ikgat', rig, checkpoint=workdir)
-        results[row.name]['flops_per_frame'] = iterative_ik.flops_per_frame(
-            method.solve, np.asarray(batch['positions']), np.asarray(batch['offsets']))
+      entry = results[row.name]
+      method = _lazy(lambda w=workdir: evaluation.make_method('ikgat', rig, checkpoint=w))
+      changed = False
+      if 'flops_per_frame' not in entry:  # added to the report later
+        entry['flops_per_frame'] = iterative_ik.flops_per_frame(
+            method().solve, np.asarray(batch['positions']), np.asarray(batch['offsets']))
+        changed = True
+      if 'part_local_rot_err_deg' not in entry:  # added later (issue J)
+        entry['part_local_rot_err_deg'] = _part_errors(evaluation.evaluate(method(), data, rig))
+        changed = True
+      if row.table in CURVE_TABLES:
+        changed |= _fill_noise_curve(entry, method, data, rig)
+      if changed:
         atomic.write_json(results_path, results)
       continue
     method = evaluation.make_method('ikgat', rig, checkpoint=workdir)
@@ -224,16 +268,48 @@ def report(root: Path, data_dir: str, split: str) -> None:
         'train_wall_s': manifest['rows'].get(row.name, {}).get('wall_seconds'),
         'val_local_rot_err_deg': run.get('val', {}).get('local_rot_err_deg'),
         'command': manifest['rows'].get(row.name, {}).get('command'), 'split': split,
-        'frames': r['frames']}
-    if row.table == 'noise' or (row.table == BASELINE and row.seed == 0):
-      results[row.name]['noisy_local_rot_err_deg'] = {
-          str(mm): evaluation.evaluate(method, data, rig, noise_mm=mm)['local_rot_err_deg']
-          for mm in NOISE_LEVELS_MM}
+        'frames': r['frames'], 'part_local_rot_err_deg': _part_errors(r)}
+    if row.table in CURVE_TABLES:
+      _fill_noise_curve(results[row.name], lambda: method, data, rig)
     print(f'{row.name}: local {r["local_rot_err_deg"]:.2f} deg, MPJPE {r["mpjpe_mm"]:.2f} mm, '
           f'{results[row.name]["forward_frames_per_s"]:,.0f} frames/s', flush=True)
     atomic.write_json(results_path, results)
   (root / 'tables.md').write_text(tables_markdown(results))
   print(f'wrote {results_path} and {root / "tables.md"}')
+
+
+def _lazy(make):
+  """`make()` on the first call, the same object after."""
+  cache = []
+
+  def get():
+    if not cache:
+      cache.append(make())
+    return cache[0]
+  return get
+
+
+def _part_errors(result: dict) -> dict:
+  """{test part (unseen_subject, unseen_file): local error (deg)} of an evaluation result."""
+  return {part: s['local_rot_err_deg'] for part, s in result.get('per_part', {}).items()}
+
+
+def _fill_noise_curve(entry: dict, method, data, rig) -> bool:
+  """Adds the noise-curve points `entry` lacks: local error at every NOISE_LEVELS_MM, all
+  frames (`noisy_local_rot_err_deg`) and the unseen subject
+  (`noisy_unseen_subject_local_rot_err_deg`; None on a split without it). `method()` gives the
+  row's method. Returns whether anything was added."""
+  curve = entry.setdefault('noisy_local_rot_err_deg', {})
+  unseen = entry.setdefault('noisy_unseen_subject_local_rot_err_deg', {})
+  changed = False
+  for mm in NOISE_LEVELS_MM:
+    if str(mm) in curve and str(mm) in unseen:
+      continue
+    r = evaluation.evaluate(method(), data, rig, noise_mm=mm)
+    curve[str(mm)] = r['local_rot_err_deg']
+    unseen[str(mm)] = _part_errors(r).get(UNSEEN)
+    changed = True
+  return changed
 
 
 def _params(workdir: Path):
@@ -247,6 +323,18 @@ def _agg(rs: list[dict]) -> dict:
   out['std'] = float(np.std([r['local_rot_err_deg'] for r in rs], ddof=1)) if len(rs) > 1 else None
   out['seeds'] = len(rs)
   out['params'] = rs[0]['params']
+  unseen = [r.get('part_local_rot_err_deg', {}).get(UNSEEN) for r in rs]
+  out['unseen'] = float(np.mean(unseen)) if all(u is not None for u in unseen) else None
+  return out
+
+
+def _curve_means(rs: list[dict], key: str, zero) -> list[float | None]:
+  """Mean over seeds of the local error at 0 mm (`zero(r)`) and at NOISE_LEVELS_MM (`r[key]`);
+  None where a seed lacks the point."""
+  out = []
+  for get in [zero] + [lambda r, mm=mm: r.get(key, {}).get(str(mm)) for mm in NOISE_LEVELS_MM]:
+    v = [get(r) for r in rs]
+    out.append(float(np.mean(v)) if all(x is not None for x in v) else None)
   return out
 
 
@@ -277,7 +365,8 @@ def tables_markdown(results: dict) -> str:
               f'with several seeds ({multi}; {dof} degrees of freedom); differences from the '
               f'baseline under {_NOISE_SIGMAS.value:g} std ({_NOISE_SIGMAS.value * noise:.2f} '
               'deg) are marked "~" = within seed noise.' if noise is not None else ''), '']
-  header = ['variant', 'seeds', 'local (deg)', 'vs baseline', 'root (deg)', 'twist (deg)',
+  header = ['variant', 'seeds', 'local (deg)', 'vs baseline', 'unseen subject (deg)',
+            'root (deg)', 'twist (deg)',
             'swing (deg)', 'leaves (deg)', 'MPJPE (mm)', 'params', 'MFLOP/frame',
             'frames/s (batch 1024)']
   for table, title in TABLE_TITLES.items():
@@ -293,18 +382,26 @@ def tables_markdown(results: dict) -> str:
                           else ''))
       std = f' ± {a["std"]:.2f}' if a['std'] is not None else ''
       cells.append([label, str(a['seeds']), f'{a["local_rot_err_deg"]:.2f}{std}', mark,
+                    '-' if a['unseen'] is None else f'{a["unseen"]:.2f}',
                     f'{a["root_rot_err_deg"]:.2f}', f'{a["twist_err_deg"]:.2f}',
                     f'{a["swing_err_deg"]:.2f}', f'{a["local_rot_err_deg_leaf"]:.2f}',
                     f'{a["mpjpe_mm"]:.2f}', f'{a["params"]:,}',
                     f'{a["flops_per_frame"] / 1e6:.1f}', f'{a["forward_frames_per_s"]:,.0f}'])
     lines += [f'### {title}', '', evaluation.markdown_grid(header, cells), '']
-  noisy = [(r['variant'], r['noisy_local_rot_err_deg']) for r in results.values()
-           if 'noisy_local_rot_err_deg' in r]
-  if len(noisy) > 1:
-    lines += ['Local error (deg) with Gaussian input noise (sigma per coordinate, seed 0):', '',
-              evaluation.markdown_grid(['model'] + [f'{mm} mm' for mm in NOISE_LEVELS_MM],
-                                       [[v] + [f'{n[str(mm)]:.2f}' for mm in NOISE_LEVELS_MM]
-                                        for v, n in noisy]), '']
+  # Noise curves: every row of CURVE_TABLES, seeds averaged.
+  curves = [(f'{t}: {v}' if t != BASELINE else v, rs) for (t, v), rs in groups.items()
+            if t in CURVE_TABLES and any('noisy_local_rot_err_deg' in r for r in rs)]
+  if len(curves) > 1:
+    head = ['model', 'seeds', '0 mm'] + [f'{mm} mm' for mm in NOISE_LEVELS_MM]
+    fmt = lambda xs: ['-' if x is None else f'{x:.2f}' for x in xs]
+    for what, key, zero in (
+        ('all test frames', 'noisy_local_rot_err_deg', lambda r: r['local_rot_err_deg']),
+        ('unseen subject', 'noisy_unseen_subject_local_rot_err_deg',
+         lambda r: r.get('part_local_rot_err_deg', {}).get(UNSEEN))):
+      lines += [f'Local error (deg) vs Gaussian input noise (sigma per coordinate, evaluation '
+                f'seed 0), {what}, mean over training seeds:', '',
+                evaluation.markdown_grid(head, [[label, str(len(rs)), *fmt(_curve_means(
+                    rs, key, zero))] for label, rs in curves]), '']
   return '\n'.join(lines)
 
 

@@ -73,7 +73,8 @@ def _ikgat_loss(model, batch, key, config, rig):
   batch = input_pipeline.augment(batch, key, config.augment, rig)
   pred = model(batch['input_positions'], deterministic=False,
                **model_lib.extra_inputs(batch, model.config))
-  return losses.ikgat_loss(pred, batch, rig, model.config.output_space, config.loss.alpha)
+  return losses.ikgat_loss(pred, batch, rig, model.config.output_space, config.loss.alpha,
+                           model.config.bone_chart)
 
 
 def ikgat_infer(model, batch, config=None, rig=None,
@@ -87,7 +88,8 @@ def ikgat_infer(model, batch, config=None, rig=None,
   rig = rig or model.rig
   pred = model(batch['positions'], deterministic=True,
                **model_lib.extra_inputs(batch, model.config))
-  local = model_lib.to_local(pred, batch['bone_frames'], rig, model.config.output_space)
+  local = model_lib.to_local(pred, batch['bone_frames'], rig, model.config.output_space,
+                             model.config.bone_chart)
   if refine is not None:
     local = iterative_ik.refine_rotations(
         local.astype(jnp.float32), batch['positions'].astype(jnp.float32),

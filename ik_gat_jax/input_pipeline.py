@@ -201,17 +201,79 @@ def _mirror_matrix(rig: Rig) -> jax.Array:
   return jnp.eye(3) - 2.0 * jnp.outer(lat, lat)
 
 
+MIRROR_ASYMMETRY_DEG = 20.0  # reference-pose bones this far from their partner's mirror image:
+# the rig's reference pose is not a mirror-symmetric natural pose (CMU's template: 2.3 degrees,
+# its subjects up to 14 at the Head; a re-rigged zero pose: tens of degrees)
+
+
+def check_mirror(rig: Rig) -> None:
+  """Refuses mirroring (ValueError, at the first traced step, i.e. training start) for a rig
+  whose reference pose is not mirror-symmetric (`Rig.mirror_asymmetry` above
+  `MIRROR_ASYMMETRY_DEG`): `mirror_rotations` would then pair frames that are not mirror
+  images, and the targets would be wrong. A rig without a template is not checked."""
+  if not rig.template_offsets:
+    return
+  angle, joint = rig.mirror_asymmetry()
+  if angle > MIRROR_ASYMMETRY_DEG:
+    where = ('its reference pose' if rig.has_reference_pose else
+             'its zero pose (it names no reference_pose)')
+    raise ValueError(
+        f'augment.mirror: rig {rig.name!r} is not mirror-symmetric in {where}: the {joint} bone '
+        f'is {angle:.0f} degrees from its partner\'s mirror image (limit '
+        f'{MIRROR_ASYMMETRY_DEG:g}), so mirrored targets would be wrong. Give the rig its natural '
+        'pose (convert with bvh_to_shards --reference_pose=first_frame, or a joint map '
+        '"reference_pose" of per-joint channel values) or set --config.augment.mirror=0')
+
+
+def mirror_rotations(rig: Rig) -> np.ndarray | None:
+  """`[J, 3, 3]` `C_j = M F_m(j)^T M F_j` (float64), or None where every `C_j = I` (a rig whose
+  reference pose is its zero pose): the fixed change of frame from "mirror image of partner
+  m(j)'s frame" to joint j's own frame (`mirror_batch`)."""
+  if not rig.has_reference_pose:
+    return None
+  lat = np.asarray(rig.lateral)
+  M = np.eye(3) - 2.0 * np.outer(lat, lat)
+  F = rig.reference_rotations()
+  m = np.asarray(rig.mirror)
+  return np.einsum('ab,jcb,cd,jde->jae', M, F[m], M, F)
+
+
 def mirror_batch(batch: dict, flip: jax.Array, rig: Rig) -> dict:
   """Mirror the examples where `flip: [B]` is True (whole subject: offsets, rotations, B).
 
-  With M the reflection of the lateral axis and m the mirror map: `o'_j = M o_m(j)`,
-  `R'_j = M R_m(j) M`, `p'_j = M p_m(j)`; the bone frames are recomputed from `o'`.
+  With M the reflection of the lateral axis (det -1) and m the mirror map (`m(parent(j)) =
+  parent(m(j))`), the mirrored motion has positions `p'_j = M p_m(j)` and world frames
+  `G'_j = M G_m(j) M C_j`, the mirror image of partner m(j)'s frame turned into joint j's own
+  frame convention by the fixed `C_j = M F_m(j)^T M F_j` (`mirror_rotations`; `F` the world
+  frames of the rig's reference pose, skeleton.py). Then, exactly:
+    `R'_j = C_parent^T (M R_m(j) M) C_j`  (root: `M R_m(root) M C_root`),
+    `o'_j = C_parent^T M o_m(j)`          (root: `M o_m(root)`),
+  and FK holds: `p'_parent + G'_parent o'_j = M (p_m(p) + G_m(p) o_m(j)) = M p_m(j)`. The
+  mirrored sample is the mirror-image *body* (offsets `o'`, bone frames recomputed from them),
+  so it is exact for any subject, symmetric or not. Why `C`: in the reference pose (a natural,
+  mirror-symmetric T-pose) joint j's frame is `F_j`; the mirror image of m(j)'s frame there is
+  `M F_m(j) M`, which differs from `F_j` whenever the rig binds left and right differently;
+  `C_j` maps one to the other, so the reference pose mirrors onto itself (`G'_j = F_j`) and a
+  mirrored sample is expressed in the rig's own joint frames. Without it (`R'_j = M R_m(j) M`,
+  correct only where `F = I`) a re-rigged subject's mirrored targets live in the partner's
+  frame convention, which the network cannot tell from the positions. Rig invariance: with
+  binds `A` (`F -> F A`), `C'_j = M A_m(j)^T M C_j A_j`, and mirroring the re-rigged sample
+  gives `R'_j = A_p^T R*_j A_j`, `o'_j = A_p^T o*_j` of the mirrored original
+  (tests/rig_invariance_test.py). `check_mirror` refuses a rig whose reference pose is not
+  mirror-symmetric.
   """
+  check_mirror(rig)
   M = _mirror_matrix(rig)
   m = np.asarray(rig.mirror)
   off = batch['offsets'][:, m] @ M.T
   R = M @ batch['local_rot'][:, m] @ M
   pos = batch['positions'][:, m] @ M.T
+  C = mirror_rotations(rig)
+  if C is not None:
+    Cp = np.stack([np.eye(3) if p < 0 else C[p] for p in rig.parents])
+    Cp_t = jnp.asarray(np.swapaxes(Cp, -1, -2), off.dtype)
+    off = jnp.einsum('jab,...jb->...ja', Cp_t, off)
+    R = Cp_t @ R @ jnp.asarray(C, R.dtype)
   B = bf.bone_frames(off, rig)
   sel = lambda a, b: jnp.where(flip.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
   return {**batch, 'offsets': sel(off, batch['offsets']), 'local_rot': sel(R, batch['local_rot']),
@@ -225,11 +287,14 @@ def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
   `aug` fields: yaw (bool: uniform rotation about up), mirror (probability), bone_scale
   (half-width s: per-bone factors U[1-s, 1+s] shared by mirror pairs, directions kept),
   noise_mm (Gaussian sigma added to `input_positions` only). Adds `input_positions`.
+  Tracker noise (issue J; `tracker_noise`, absent = off): noise_mm_max, clean_frac,
+  bone_jitter, outlier_prob, also on `input_positions` (and end sites) only; the fixed
+  noise_mm is added on top of it with its own (old) draw, so both may be set.
   Sparse inputs (G2, `sample_input_masks`): joint_dropout, tracker_subsets, orientation_prob
   add `joint_mask` / `orientations` + `orientation_mask`; their keys come from `fold_in`, so the
   other augmentations draw exactly what they drew before these existed.
   End sites (G2): when the batch holds `end_sites [B, E, 3]`, each is carried in its leaf's
-  frame (`e = G_leaf^T (x - p_leaf)`) through mirroring (`e' = M e_m`, left/right swapped),
+  frame (`e = G_leaf^T (x - p_leaf)`) through mirroring (`e' = C^T M e_m`, `mirror_end_local`),
   bone scaling (times the leaf's own bone factor) and yaw, placed again by FK
   (`x = p_leaf + G_leaf e`) and given the same input noise; `end_site_prob` (absent = 0) sets
   `end_site_mask [B, E]`: each present end site given with that probability.
@@ -250,8 +315,7 @@ def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
     flip = jax.random.uniform(k_mir, (B_,)) < aug.mirror
     batch = mirror_batch(batch, flip, rig)
     if end_local is not None:
-      end_local = jnp.where(flip[:, None, None],
-                            end_local[:, end_site_mirror(rig)] @ _mirror_matrix(rig).T, end_local)
+      end_local = jnp.where(flip[:, None, None], mirror_end_local(end_local, rig), end_local)
   if aug.bone_scale > 0:
     u = jax.random.uniform(k_scale, (B_, rig.num_joints), minval=1 - aug.bone_scale,
                            maxval=1 + aug.bone_scale)
@@ -271,21 +335,129 @@ def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
     _, pos = kinematics.forward_kinematics(batch['local_rot'], batch['offsets'], rig.parents,
                                            root_pos)
     batch = {**batch, 'positions': pos}
-  noisy = batch['positions']
-  if aug.noise_mm > 0:
-    noisy = noisy + 1e-3 * aug.noise_mm * jax.random.normal(k_noise, noisy.shape)
-  batch = {**batch, 'input_positions': noisy}
+  noisy, ends = batch['positions'], None
   if end_local is not None:
     k_es_noise, k_es = jax.random.split(jax.random.fold_in(key, 0x65))
     G = kinematics.local_to_global(batch['local_rot'], rig.parents)[:, leaves]
     ends = batch['positions'][:, leaves] + jnp.einsum('njab,njb->nja', G, end_local)
     present = jnp.all(jnp.isfinite(ends), axis=-1)
+  # Tracker noise (issue J; `tracker_noise`): the identity, returning its inputs, when all off.
+  noisy, ends, _ = tracker_noise(key, noisy, aug, rig, ends)
+  if aug.noise_mm > 0:
+    noisy = noisy + 1e-3 * aug.noise_mm * jax.random.normal(k_noise, noisy.shape)
+  batch = {**batch, 'input_positions': noisy}
+  if end_local is not None:
     if aug.noise_mm > 0:
       ends = ends + 1e-3 * aug.noise_mm * jax.random.normal(k_es_noise, ends.shape)
     prob = float(aug.get('end_site_prob', 0.0))
     batch = {**batch, 'end_sites': ends,
              'end_site_mask': present & (jax.random.uniform(k_es, present.shape) < prob)}
   return {**batch, **sample_input_masks(jax.random.fold_in(key, 0x62), batch, aug, rig)}
+
+
+# Tracker noise (issue J): each part draws from its own key, `fold_in(augmentation key, K)`, so
+# switching one part on or off leaves the draws of every other part (and of the augmentations
+# above, which use `split(key, 4)` and fold_in constants 0x62, 0x65) exactly as they were.
+NOISE_KEY_LEVEL = 0x4A01    # per-sample sigma ~ U[0, noise_mm_max] and its Gaussian draws
+NOISE_KEY_CLEAN = 0x4A02    # which samples the noise model leaves clean (clean_frac)
+NOISE_KEY_BONE = 0x4A03     # per-frame bone-length factors (bone_jitter)
+NOISE_KEY_OUTLIER = 0x4A04  # outlier sample, joint, direction and magnitude (outlier_prob)
+OUTLIER_MM = (50.0, 200.0)  # outlier displacement magnitude range, uniform (mm)
+BONE_FACTOR_CLIP = (0.5, 1.5)  # bone factors are clipped here (25 std at bone_jitter 0.02)
+
+
+def tracker_noise(key: jax.Array, positions: jax.Array, aug: Any, rig: Rig,
+                  end_sites: jax.Array | None = None, return_info: bool = False):
+  """Tracker-like input noise (issue J) on clean `positions [B, J, 3]` (m) and, when given,
+  end sites `[B, E, 3]` of `rig.leaves` (NaN = absent, stays NaN). Returns
+  `(input positions, input end sites or None, info)`; info is {} unless `return_info`.
+
+  `aug` fields, each absent = 0 = off (old configs lack them); all off returns the inputs
+  themselves. Applied in this order, per sample:
+    bone_jitter s: per-frame bone-length inconsistency. Every bone vector `p_j - p_parent(j)`
+      is scaled by its own factor `1 + s * N(0, 1)` (clipped to BONE_FACTOR_CLIP) and the
+      positions re-accumulated down the tree from the root (`x_j = x_parent + f_j (p_j -
+      p_parent)`), so the root stays, directions stay, lengths vary by relative std s. An end
+      site's vector from its leaf gets a factor of its own.
+    noise_mm_max m: i.i.d. Gaussian noise per coordinate with a per-sample level sigma ~
+      U[0, m] (mm), joints and end sites alike.
+    outlier_prob q: with probability q per sample, ONE joint (uniform over all J, root
+      included) is displaced along a uniformly random direction by U[OUTLIER_MM] mm; end
+      sites get no outliers. One per sample (not an independent draw per joint) keeps the
+      meaning of q fixed whatever J is, and matches a tracker's occasional single jump.
+    clean_frac c: that share of samples is left exactly clean by all three parts above
+      (sigma 0, no jitter, no outlier), so the clean-input accuracy keeps being trained.
+  The fixed `noise_mm` of `augment` is separate and added on top (its old draw), to every
+  sample: both set give per-coordinate variance `noise_mm^2 + sigma^2`.
+  info (for tests and logs): sigma_mm [B], clean [B] bool, bone_factor [B, J] (1 at the root),
+  end_site_factor [B, E], outlier_joint [B] (-1 = none), outlier_mm [B] (0 = none); each only
+  when its part is on.
+  """
+  m = float(aug.get('noise_mm_max', 0.0))
+  c = float(aug.get('clean_frac', 0.0))
+  s = float(aug.get('bone_jitter', 0.0))
+  q = float(aug.get('outlier_prob', 0.0))
+  for name, v in (('noise_mm_max', m), ('bone_jitter', s)):
+    if v < 0:
+      raise ValueError(f'augment.{name} must be >= 0, got {v}')
+  for name, v in (('clean_frac', c), ('outlier_prob', q)):
+    if not 0.0 <= v <= 1.0:
+      raise ValueError(f'augment.{name} is a probability in [0, 1], got {v}')
+  info: dict[str, jax.Array] = {}
+  if not (m > 0 or s > 0 or q > 0):
+    return positions, end_sites, info
+  B_, J = positions.shape[:2]
+  dirty = jnp.ones((B_,), bool)
+  if c > 0:
+    dirty = jax.random.uniform(jax.random.fold_in(key, NOISE_KEY_CLEAN), (B_,)) >= c
+    info['clean'] = ~dirty
+  leaves = list(rig.leaves)
+  x, ends = positions, end_sites
+  if s > 0:
+    k_bone, k_end = jax.random.split(jax.random.fold_in(key, NOISE_KEY_BONE))
+    f = jnp.clip(1.0 + s * jax.random.normal(k_bone, (B_, J)), *BONE_FACTOR_CLIP).at[:, 0].set(1.0)
+    out = [positions[:, 0]]
+    for j in range(1, J):
+      p = rig.parents[j]
+      out.append(out[p] + f[:, j, None] * (positions[:, j] - positions[:, p]))
+    x = jnp.stack(out, axis=1)
+    info['bone_factor'] = f
+    if ends is not None:
+      fe = jnp.clip(1.0 + s * jax.random.normal(k_end, ends.shape[:2]), *BONE_FACTOR_CLIP)
+      ends = x[:, leaves] + fe[..., None] * (ends - positions[:, leaves])
+      info['end_site_factor'] = fe
+  if m > 0:
+    k_sigma, k_joint, k_end = jax.random.split(jax.random.fold_in(key, NOISE_KEY_LEVEL), 3)
+    sigma = jnp.where(dirty, jax.random.uniform(k_sigma, (B_,), maxval=m), 0.0)
+    x = x + 1e-3 * sigma[:, None, None] * jax.random.normal(k_joint, x.shape)
+    if ends is not None:
+      ends = ends + 1e-3 * sigma[:, None, None] * jax.random.normal(k_end, ends.shape)
+    info['sigma_mm'] = sigma
+  if q > 0:
+    k_hit, k_joint, k_dir, k_mag = jax.random.split(jax.random.fold_in(key, NOISE_KEY_OUTLIER), 4)
+    hit = (jax.random.uniform(k_hit, (B_,)) < q) & dirty
+    joint = jax.random.randint(k_joint, (B_,), 0, J)
+    direction = rotations.normalize(jax.random.normal(k_dir, (B_, 3)))
+    mag = jax.random.uniform(k_mag, (B_,), minval=OUTLIER_MM[0], maxval=OUTLIER_MM[1])
+    at = hit[:, None] & (jnp.arange(J) == joint[:, None])
+    x = jnp.where(at[..., None], x + 1e-3 * (mag[:, None] * direction)[:, None], x)
+    info['outlier_joint'] = jnp.where(hit, joint, -1)
+    info['outlier_mm'] = jnp.where(hit, mag, 0.0)
+  x = jnp.where(dirty[:, None, None], x, positions)  # clean samples exactly clean
+  if ends is not None:
+    ends = jnp.where(dirty[:, None, None], ends, end_sites)
+  return x, ends, (info if return_info else {})
+
+
+def mirror_end_local(end_local: jax.Array, rig: Rig) -> jax.Array:
+  """End sites in their leaf's frame `[B, E, 3]`, mirrored: `e'_j = C_j^T M e_m(j)`
+  (`mirror_batch`; `M e_m` where the rig's reference pose is its zero pose)."""
+  e = end_local[:, end_site_mirror(rig)] @ _mirror_matrix(rig).T
+  C = mirror_rotations(rig)
+  if C is None:
+    return e
+  Ct = np.swapaxes(C[np.asarray(rig.leaves)], -1, -2)
+  return jnp.einsum('jab,...jb->...ja', jnp.asarray(Ct, e.dtype), e)
 
 
 def end_site_mirror(rig: Rig) -> np.ndarray:

@@ -17,8 +17,8 @@ from ik_gat_jax import rotations
 from ik_gat_jax.skeleton import Rig
 
 
-def ikgat_loss(pred: jax.Array, batch: dict, rig: Rig, space: str,
-               alpha: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+def ikgat_loss(pred: jax.Array, batch: dict, rig: Rig, space: str, alpha: float,
+               bone_chart: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Per-example IK-GAT loss.
 
   Args:
@@ -26,15 +26,18 @@ def ikgat_loss(pred: jax.Array, batch: dict, rig: Rig, space: str,
     batch: 'local_rot' [B, J, 3, 3], 'bone_frames' [B, J, 3, 3], 'offsets' [B, J, 3],
       'positions' [B, J, 3] clean world positions (m).
     alpha: weight of the position term (decimetres).
+    bone_chart: `pred`'s local outputs are in the bone-frame chart (`model.to_local`); the
+      angle is the same in either chart, only the parametrisation differs.
 
   Returns:
     `(loss [B], {'rot_rad': [B], 'pos_dm': [B]})`.
   """
-  target = model_lib.from_local(batch['local_rot'], batch['bone_frames'], rig, space)
+  target = model_lib.from_local(batch['local_rot'], batch['bone_frames'], rig, space,
+                                bone_chart)
   rot = jnp.mean(rotations.geodesic_angle(pred, target), axis=-1)
   if alpha == 0:
     return rot, {'rot_rad': rot, 'pos_dm': jnp.zeros_like(rot)}
-  local = model_lib.to_local(pred, batch['bone_frames'], rig, space)
+  local = model_lib.to_local(pred, batch['bone_frames'], rig, space, bone_chart)
   _, pos = kinematics.forward_kinematics(local, batch['offsets'], rig.parents,
                                          root_pos=batch['positions'][:, 0])
   pos_dm = 10.0 * jnp.mean(rotations.safe_norm(pos - batch['positions']), axis=-1)

@@ -23,7 +23,13 @@ Pipeline of `IKModel.__call__` (the parts shared by every arch):
   5. observed-direction head (optional): the first 6D column of every joint with a designated
      child is replaced by the observed direction to that child. Only joints whose output is
      bone-aligned have such a column, so this needs output_space 'bone_aligned' or 'mixed'
-     (config validation refuses 'local' / 'global');
+     (config validation refuses 'local' / 'global'). `observed_direction_blend` (issue J;
+     needs the head): blend instead of copying. The backbone emits one more number per joint,
+     a logit; with w = sigmoid(logit) (input-dependent, learned; its bias starts at
+     logit(BLEND_INIT_WEIGHT) = logit(0.9), trusting the observation at first) the column is
+     normalize(w d_observed + (1 - w) normalize(d_predicted)); joints without a valid observed
+     direction (leaves, masked) keep the predicted column. w = 1 is the plain head (up to
+     round-off); noisy or jumping joints can learn to lower it;
   6. Gram-Schmidt to rotation matrices; undo the heading (C^T @ R) on every output that lives
      in the world frame: all joints for bone_aligned / global, the root only for local, the
      bone-aligned joints and the root for mixed (leaf local rotations are yaw invariant). This
@@ -64,6 +70,10 @@ before). Optional keyword inputs of `IKModel.__call__`:
     enter the centre, the scale or the heading, so a model given none sees what it would see
     without them.
   `extra_inputs(batch, config)` picks these keys from a batch dict for the model.
+Noise level (issue J, `noise_level_input`, off by default): one more input channel, the same on
+  every joint, `noise_level(x)` of the canonical input: the mean relative length mismatch of
+  mirror-paired bones in this frame (x NOISE_LEVEL_SCALE), a label-free estimate of how noisy
+  the tracker input is (`noise_level` says why that one); appended after the G2 channels.
 
 Every head's last layer starts near the identity 6D (bias (1,0,0,0,1,0), weights ~1e-3).
 The static skeleton structure (parents, designated children, adjacency) stays Python tuples:
@@ -100,6 +110,8 @@ DENSE_HIDDEN = {
 ADJACENCIES = ('tree', 'parent_to_child', 'child_to_parent', 'full')
 OUTPUT_SPACES = ('bone_aligned', 'local', 'global', 'mixed')
 END_SITE_SCALE = 10.0  # end-site input features: offsets from the leaf, x10
+BLEND_INIT_WEIGHT = 0.9  # observed_direction_blend: initial weight of the observed direction
+NOISE_LEVEL_SCALE = 10.0  # noise_level_input: the mean |log length ratio| of mirror bones, x10
 _IDENTITY_6D = (1.0, 0.0, 0.0, 0.0, 1.0, 0.0)
 
 
@@ -112,6 +124,12 @@ class ModelConfig:
   `joint_mask` adds a per-joint observed flag to the input (sparse trackers, dropped joints) and
   `orientation_inputs` names the joints whose world rotation may be given (XR trackers); see
   "Sparse inputs" in the module docstring. `end_sites` adds end-site points of the leaves.
+  `bone_chart` (issue L) emits every local output (output_space 'local', the leaves of 'mixed')
+  in the chart of the rest bone frames, L_j = B_parent^T R_j B_j (root: R_root B_root), which
+  does not depend on how a rig defines its bind (`to_local`); off: R_j itself, as before.
+  `observed_direction_blend` (with `observed_direction_head`) blends the observed and the
+  predicted bone direction with a learned per-joint weight; `noise_level_input` adds a per-sample
+  estimate of the input noise as one more input channel (issue J; module docstring).
   All default off: such models are unchanged.
   """
   arch: str = 'ikgat'
@@ -132,6 +150,9 @@ class ModelConfig:
   joint_mask: bool = False
   orientation_inputs: tuple[str, ...] = ()
   end_sites: bool = False
+  observed_direction_blend: bool = False
+  noise_level_input: bool = False
+  bone_chart: bool = False
 
   def __post_init__(self):
     # JSON and flags give lists or a comma-separated string; keep a (hashable) tuple.
@@ -147,6 +168,9 @@ class ModelConfig:
     if self.observed_direction_head and self.output_space not in ('bone_aligned', 'mixed'):
       raise ValueError('observed_direction_head replaces the bone-direction column Q e_x, which '
                        f'only bone-aligned outputs have; output_space={self.output_space!r}')
+    if self.observed_direction_blend and not self.observed_direction_head:
+      raise ValueError('observed_direction_blend blends the observed-direction head\'s column with '
+                       'the prediction: set observed_direction_head=True as well')
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f'dropout must be in [0, 1), got {self.dropout}')
 
@@ -164,9 +188,9 @@ class ModelConfig:
   @property
   def input_features(self) -> int:
     """Per-joint input width: position (3), observed flag (1), 6D orientation and its flag (7),
-    end site and its flag (4)."""
+    end site and its flag (4), noise level (1)."""
     return (3 + int(self.joint_mask) + 7 * bool(self.orientation_inputs)
-            + 4 * int(self.end_sites))
+            + 4 * int(self.end_sites) + int(self.noise_level_input))
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -190,6 +214,17 @@ def _identity_sixd_init(key, shape, dtype=jnp.float32):
 def _sixd_output(d_in: int, n_out: int, rngs: nnx.Rngs) -> nnx.Linear:
   return nnx.Linear(d_in, 6 * n_out, kernel_init=nnx.initializers.normal(1e-3),
                     bias_init=_identity_sixd_init, rngs=rngs)
+
+
+def _extra_output(d_in: int, n_out: int, rngs: nnx.Rngs) -> nnx.Linear | None:
+  """The blend-logit layer (`n_out` logits), or None when there is none. Created after every
+  other layer, so a model without it draws exactly the parameters it drew before it existed.
+  Bias `logit(BLEND_INIT_WEIGHT)`, weights ~1e-3: the blend starts near that weight everywhere."""
+  if not n_out:
+    return None
+  w = BLEND_INIT_WEIGHT
+  return nnx.Linear(d_in, n_out, kernel_init=nnx.initializers.normal(1e-3),
+                    bias_init=nnx.initializers.constant(math.log(w / (1 - w))), rngs=rngs)
 
 
 class PerJointLinear(nnx.Module):
@@ -248,37 +283,47 @@ class GraphNet(nnx.Module):
 
   def __init__(self, num_joints: int, adjacency, *, d: int, num_layers: int, num_heads: int,
                head_hidden: int, scoring: str, aggregation: str, dropout: float,
-               pooled: bool, ffn: bool, rngs: nnx.Rngs, d_in: int = 3):
+               pooled: bool, ffn: bool, rngs: nnx.Rngs, d_in: int = 3, extra_out: int = 0):
     self.embed = PerJointLinear(num_joints, d_in, d, rngs)
     self.blocks = nnx.List([
         Block(d, adjacency, num_heads=num_heads, scoring=scoring, aggregation=aggregation,
               dropout=dropout, pooled=pooled, ffn=ffn, rngs=rngs) for _ in range(num_layers)])
     self.head_hidden = nnx.Linear(d, head_hidden, rngs=rngs)
     self.head_out = _sixd_output(head_hidden, 1, rngs)
+    self.extra_out = _extra_output(head_hidden, extra_out, rngs)
 
   def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+    """-> `[B, J, 6]`, or `[B, J, 6 + extra_out]` (the 6D, then the extra logits)."""
     h0 = self.embed(x)
     h = h0
     for block in self.blocks:
       h = block(h, deterministic=deterministic)
-    return self.head_out(nnx.elu(self.head_hidden(h + h0)))  # global shortcut: + h0
+    f = nnx.elu(self.head_hidden(h + h0))  # global shortcut: + h0
+    if self.extra_out is None:
+      return self.head_out(f)
+    return jnp.concatenate([self.head_out(f), self.extra_out(f)], axis=-1)
 
 
 class MLPNet(nnx.Module):
   """Dense baseline: per-joint inputs `[B, J, d_in]` flattened -> L hidden layers -> 6D `[B, J, 6]`."""
 
   def __init__(self, num_joints: int, *, d: int, num_layers: int, dropout: float,
-               rngs: nnx.Rngs, d_in: int = 3):
+               rngs: nnx.Rngs, d_in: int = 3, extra_out: int = 0):
     widths = [d_in * num_joints] + [d] * num_layers
     self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(widths, widths[1:])])
     self.dropout = nnx.Dropout(dropout, rngs=rngs)
     self.out = _sixd_output(d, num_joints, rngs)
+    self.extra_out = _extra_output(d, extra_out * num_joints, rngs)
 
   def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+    """-> `[B, J, 6]`, or `[B, J, 6 + extra_out]` (the 6D, then the extra logits)."""
     h = x.reshape(x.shape[0], -1)
     for layer in self.layers:
       h = self.dropout(nnx.elu(layer(h)), deterministic=deterministic)
-    return self.out(h).reshape(*x.shape[:-1], 6)
+    sixd = self.out(h).reshape(*x.shape[:-1], 6)
+    if self.extra_out is None:
+      return sixd
+    return jnp.concatenate([sixd, self.extra_out(h).reshape(*x.shape[:-1], -1)], axis=-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,13 +332,15 @@ class MLPNet(nnx.Module):
 
 def hip_pair(rig: Rig) -> tuple[int, int]:
   """(left, right): the first mirror pair among the root's children; left is the one whose
-  template offset lies further along `rig.lateral` (the first of the pair without a template)."""
+  template offset, in the world at the rig's reference pose (`Rig.reference_offsets`: not the
+  zero pose, which a re-rigged rig may crumple), lies further along `rig.lateral` (the first of
+  the pair without a template)."""
   kids = rig.children[0]
   for a in kids:
     b = rig.mirror[a]
     if b != a and b in kids:
       if rig.template_offsets:
-        lat = rig.template()[[a, b]] @ np.asarray(rig.lateral)
+        lat = rig.reference_offsets()[[a, b]] @ np.asarray(rig.lateral)  # world, natural pose
         return (a, b) if lat[0] >= lat[1] else (b, a)
       return (a, b)
   raise ValueError(f'rig {rig.name!r}: no mirror pair among the root children '
@@ -313,6 +360,14 @@ def _scale_bones(rig: Rig) -> tuple[int, ...]:
   """Joints j whose bone (parent(j) -> j) counts for the scale: not co-located at rest."""
   coloc = rig.colocated() if rig.template_offsets else (False,) * rig.num_joints
   return tuple(j for j, p in enumerate(rig.parents) if p >= 0 and not coloc[j])
+
+
+def mirror_bone_pairs(rig: Rig) -> tuple[tuple[int, int], ...]:
+  """(j, m(j)) with j < m(j): bones parent(j) -> j whose mirror bone is parent(m) -> m, both
+  counting for the scale (cmu_body: the 7 arm and leg bone pairs)."""
+  bones = set(_scale_bones(rig))
+  return tuple((j, m) for j, m in enumerate(rig.mirror) if j < m and j in bones and m in bones
+               and rig.mirror[rig.parents[j]] == rig.parents[m])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,6 +401,32 @@ def observed_directions(x: jax.Array, rig: Rig,
   return rotations.normalize(v), valid
 
 
+def noise_level(x: jax.Array, rig: Rig, mask: jax.Array | None = None) -> jax.Array:
+  """`x: [B, J, 3]` -> `[B]`: a label-free estimate of how noisy the input is, the mean over
+  mirror bone pairs (`mirror_bone_pairs`) of `|log(l_left / l_right)|`, the relative length
+  mismatch of a bone and its mirror bone in this frame, x NOISE_LEVEL_SCALE.
+
+  Why these: a body is (nearly) left/right symmetric and the bone-length augmentation keeps
+  pairs equal, so the clean mismatch is small (the subject's own asymmetry, ~0.01-0.03 on CMU),
+  while position noise, bone-length jitter and a jumping joint all raise it (sigma 10 mm: about
+  2 sigma / l ~ 0.1 for a 20 cm bone). It needs no bone lengths at inference (unlike a
+  comparison with the subject's rest offsets), no template (which subjects' proportions would
+  confound) and is invariant to the centre, scale and heading. With `mask: [B, J]` bool only
+  pairs with all four ends observed count (0 when none is). Differentiable (safe norms; the
+  |.| has gradient 0 at 0)."""
+  pairs = np.asarray(mirror_bone_pairs(rig)).reshape(-1, 2)
+  parents = np.asarray(rig.parents)
+  ends = np.concatenate([pairs, parents[pairs]], axis=-1)  # [P, 4]: j, m, parent(j), parent(m)
+  lengths = rotations.safe_norm(x[:, pairs] - x[:, parents[pairs]])  # [B, P, 2]
+  ok = jnp.all(lengths > 1e-6, axis=-1)
+  if mask is not None:
+    ok = ok & jnp.all(mask[:, ends], axis=-1)
+  safe = jnp.where(ok[..., None], lengths, 1.0)
+  r = jnp.abs(jnp.log(safe[..., 0]) - jnp.log(safe[..., 1]))
+  r = jnp.sum(jnp.where(ok, r, 0.0), -1) / jnp.maximum(jnp.sum(ok, -1), 1)
+  return NOISE_LEVEL_SCALE * r
+
+
 def observed_centre(positions: jax.Array, mask: jax.Array) -> jax.Array:
   """`positions: [B, J, 3]` (zero where masked), `mask: [B, J]` bool -> `[B, 3]`: the root where
   it is observed, else the mean of the observed joints (0 when none is)."""
@@ -374,11 +455,14 @@ class IKModel(nnx.Module):
       raise ValueError(f'orientation_inputs {unknown} are not joints of rig {rig.name!r}')
     # Static per-joint flag: does this joint take an orientation input?
     self.orientation_joints = tuple(n in config.orientation_inputs for n in rig.joint_names)
+    if config.noise_level_input and not mirror_bone_pairs(rig):
+      raise ValueError(f'noise_level_input compares mirror-paired bones; rig {rig.name!r} has none')
     d, layers, heads, head_hidden = config.dims
     d_in = config.input_features
+    extra = int(config.observed_direction_blend)  # the blend logit
     if config.arch == 'mlp':
       self.backbone = MLPNet(J, d=d, num_layers=layers, dropout=config.dropout, rngs=rngs,
-                             d_in=d_in)
+                             d_in=d_in, extra_out=extra)
     else:
       graph = config.arch == 'ikgat'
       self.backbone = GraphNet(
@@ -386,7 +470,8 @@ class IKModel(nnx.Module):
           num_heads=heads, head_hidden=head_hidden,
           scoring=config.scoring if graph else 'dot',
           aggregation=config.aggregation if graph else 'attention', dropout=config.dropout,
-          pooled=graph and config.pooled_global_feature, ffn=not graph, rngs=rngs, d_in=d_in)
+          pooled=graph and config.pooled_global_feature, ffn=not graph, rngs=rngs, d_in=d_in,
+          extra_out=extra)
 
   def canonical_input(self, positions: jax.Array, mask: jax.Array | None = None
                       ) -> tuple[jax.Array, jax.Array | None]:
@@ -488,6 +573,9 @@ class IKModel(nnx.Module):
       flag = jnp.zeros(x.shape[:-1] + (1,), x.dtype).at[:, leaves, 0].set(
           end_given.astype(x.dtype))
       feats += [pts, flag]
+    if self.config.noise_level_input:  # the last channel, the same on every joint
+      level = noise_level(x, self.rig, mask).astype(x.dtype)
+      feats.append(jnp.broadcast_to(level[:, None, None], x.shape[:-1] + (1,)))
     return feats[0] if len(feats) == 1 else jnp.concatenate(feats, axis=-1)
 
   def __call__(self, positions: jax.Array, *, deterministic: bool,
@@ -521,6 +609,9 @@ class IKModel(nnx.Module):
     sixd = self.backbone(feats, deterministic=deterministic)  # [B, J, 6], canonical frame
     if self.config.observed_direction_head:
       obs, valid = observed_directions(x, self.rig, mask)
+      if self.config.observed_direction_blend:  # [B, J, 7]: the 6D and the blend logit
+        sixd, w = sixd[..., :6], nnx.sigmoid(sixd[..., 6:])
+        obs = rotations.normalize(w * obs + (1 - w) * rotations.normalize(sixd[..., :3]))
       sixd = sixd.at[..., :3].set(jnp.where(valid[..., None], obs, sixd[..., :3]))
     R = rotations.matrix_from_sixd(sixd)
     if C is not None:  # back from the canonical to the world frame
@@ -552,7 +643,59 @@ def param_table(config: ModelConfig | None = None) -> dict[str, dict[str, dict[s
 # Output spaces <-> local rotations.
 
 
-def to_local(pred: jax.Array, B_frames: jax.Array, rig: Rig, output_space: str) -> jax.Array:
+def _bone_chart(R: jax.Array, B_frames: jax.Array, rig: Rig, joints, inverse: bool) -> jax.Array:
+  """Local rotations of `joints` <-> their bone-frame chart L_j = B_p^T R_j B_j (root:
+  L = R B_root), the rest of `R` unchanged. Re-rigging by binds A gives R' = A_p^T R A_j and
+  B' = A^T B, so L' = L: the network's target (and its identity start, L = I: the bone frame of
+  j aligned with its parent's) mean the same pose on every rig. `inverse`: L -> R."""
+  B = jnp.broadcast_to(B_frames, R.shape)
+  out = [R[..., j, :, :] for j in range(R.shape[-3])]
+  for j in joints:
+    p = rig.parents[j]
+    left = jnp.eye(3, dtype=R.dtype) if p < 0 else B[..., p, :, :]
+    if inverse:  # R = B_p L B_j^T
+      out[j] = left @ R[..., j, :, :] @ jnp.swapaxes(B[..., j, :, :], -1, -2)
+    else:
+      out[j] = jnp.swapaxes(left, -1, -2) @ R[..., j, :, :] @ B[..., j, :, :]
+  return jnp.stack(out, axis=-3)
+
+
+def _local_joints(rig: Rig, output_space: str) -> tuple[int, ...]:
+  """Joints whose output is a local rotation: all for 'local', the leaves for 'mixed'."""
+  if output_space == 'local':
+    return tuple(range(rig.num_joints))
+  if output_space == 'mixed':
+    return tuple(j for j, c in enumerate(rig.designated_children) if c < 0)
+  return ()
+
+
+def to_local(pred: jax.Array, B_frames: jax.Array, rig: Rig, output_space: str,
+             bone_chart: bool = False) -> jax.Array:
+  """Model output `[B, J, 3, 3]` in `output_space` -> parent-relative local rotations.
+
+  `B_frames: [B or 1, J, 3, 3]` rest bone frames of the subject(s) (`bone_frames.bone_frames`).
+  `bone_chart`: the local outputs are in the bone-frame chart (`ModelConfig.bone_chart`).
+  """
+  joints = _local_joints(rig, output_space) if bone_chart else ()
+  if joints:
+    pred = jnp.broadcast_to(pred, jnp.broadcast_shapes(pred.shape, B_frames.shape))
+    pred = _bone_chart(pred, B_frames, rig, joints, inverse=True)
+  return _to_local_joint_chart(pred, B_frames, rig, output_space)
+
+
+def from_local(local_rot: jax.Array, B_frames: jax.Array, rig: Rig, output_space: str,
+               bone_chart: bool = False) -> jax.Array:
+  """Local rotations `[B, J, 3, 3]` -> the same pose in `output_space` (training targets)."""
+  out = _from_local_joint_chart(local_rot, B_frames, rig, output_space)
+  joints = _local_joints(rig, output_space) if bone_chart else ()
+  if joints:
+    out = jnp.broadcast_to(out, jnp.broadcast_shapes(out.shape, B_frames.shape))
+    out = _bone_chart(out, B_frames, rig, joints, inverse=False)
+  return out
+
+
+def _to_local_joint_chart(pred: jax.Array, B_frames: jax.Array, rig: Rig,
+                          output_space: str) -> jax.Array:
   """Model output `[B, J, 3, 3]` in `output_space` -> parent-relative local rotations.
 
   `B_frames: [B or 1, J, 3, 3]` rest bone frames of the subject(s) (`bone_frames.bone_frames`).
@@ -578,8 +721,8 @@ def to_local(pred: jax.Array, B_frames: jax.Array, rig: Rig, output_space: str) 
   return jnp.where(leaf[:, None, None], pred, local)  # leaves exactly as predicted
 
 
-def from_local(local_rot: jax.Array, B_frames: jax.Array, rig: Rig,
-               output_space: str) -> jax.Array:
+def _from_local_joint_chart(local_rot: jax.Array, B_frames: jax.Array, rig: Rig,
+                            output_space: str) -> jax.Array:
   """Local rotations `[B, J, 3, 3]` -> the same pose in `output_space` (training targets)."""
   if output_space == 'local':
     return local_rot

@@ -18,7 +18,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.seed = 0
   c.data = ''  # shard directory (from --data)
   # Mixed output: bone-aligned Q for joints with a designated child, local R for the leaves.
-  c.model = ModelConfig(size='base', output_space='mixed').to_dict()
+  # bone_chart (issue L): the leaves' local outputs in the rest-bone-frame chart, the same on
+  # every rig whatever its bind (model.to_local); models trained before it lack the key (off).
+  c.model = ModelConfig(size='base', output_space='mixed', bone_chart=True).to_dict()
   c.train = ml_collections.ConfigDict(dict(
       steps=5_000, batch_size=256, lr=2e-3, final_lr_fraction=0.01, warmup_steps=300,
       weight_decay=1e-4, clip_norm=1.0, log_every=100, eval_every=500,
@@ -33,6 +35,14 @@ def get_config() -> ml_collections.ConfigDict:
   # End sites (G2; needs shards with end sites and config.model.end_sites): probability each
   # leaf's end-site point is given, per frame.
   c.augment.update(end_site_prob=0.0)
+  # Tracker noise (issue J; input_pipeline.tracker_noise; 0 = off, and absent in old
+  # checkpoints' configs = off), on the inputs only, never the targets: per-sample Gaussian
+  # sigma ~ U[0, noise_mm_max] mm; share of samples left exactly clean by these parts;
+  # per-frame relative std of every bone's length; probability per sample that one random
+  # joint jumps by U[50, 200] mm. noise_mm above is added on top, to every sample.
+  # The 'robust' ablation rows use noise_mm_max=50, clean_frac=0.2, bone_jitter=0.02,
+  # outlier_prob=0.05.
+  c.augment.update(noise_mm_max=0.0, clean_frac=0.0, bone_jitter=0.0, outlier_prob=0.0)
   # Causal temporal filter of the output rotations (issue G3, ik_gat_jax/temporal.py), saved in
   # the checkpoint: IKSolver / ik_gat_jax.solve / experiments.evaluate use it unless a --filter
   # flag overrides; validation logs the filtered error and jitter. Off: on clean CMU input IK-GAT
