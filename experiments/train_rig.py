@@ -1,0 +1,532 @@
+r"""One command for your own rig: convert, train IK-GAT and the prior, evaluate, export.
+
+  python -m experiments.train_rig --bvh=DIR --workdir=DIR [--rig=auto|NAME|JOINT_MAP.json] \
+      [--units=auto|NUMBER|m|cm|mm|in|ft|cmu] [--reference_pose=zero|first_frame] \
+      [--split=auto|subject|file|SPLIT.json] [--subject_regex=RE] [--size=small] [--steps=N] \
+      [--prior_steps=N] [--export=DIR] [--eval_frames=N] [--iters=100] [--acknowledgment=TEXT] \
+      [--config.train.lr=...] [--prior_config.model.latent=...]
+
+Stages (each skipped when its output is complete, so rerunning the same command continues where
+it stopped; the trainer resumes a half-finished run from its latest checkpoint):
+  1 convert   --bvh -> WORKDIR/shards (data_prep.conversion.convert), with WORKDIR/split.json
+  2 ikgat     IK-GAT (experiments/configs/default.py, --size, --steps) -> WORKDIR/ikgat
+  3 prior     the VPoser-style prior (experiments/configs/prior.py, --prior_steps) ->
+              WORKDIR/prior (+ prior_report.json)
+  4 evaluate  ikgat, iterative (with that prior), swing, mean_pose on the test split (val when
+              there is none, train when there is neither) -> WORKDIR/eval/METHOD.json, table.md
+  5 export    the IK-GAT best checkpoint with its card -> --export (default WORKDIR/checkpoint)
+WORKDIR/train_rig.json records the options and every stage's status; a line is printed when a
+stage starts, finishes or is skipped.
+
+--split=auto: the joint map's committed split when --rig names one that has it; otherwise
+derived (`derive_split`): with 3 or more subjects, whole subjects are held out (subjects sorted
+by name: the 1st, 11th, 21st, ... test; the 2nd, 12th, ... val; the rest train); with fewer,
+files are (files sorted by path: the 1st, 11th, ... test; the 2nd, 12th, ... val; the rest
+train; 2 files: test + train; 1 file: train only, evaluated on train). Subjects are read from
+file names as the converter does (the folder inside --bvh, else the name before the first '_';
+--subject_regex overrides). --split=subject|file forces a rule; --split=FILE.json gives a
+split of your own (data_prep/splits/ format).
+
+--units=auto: the joint map's units for a joint map; for --rig=auto estimated from the first
+file's skeleton (io/units.py; printed with its evidence, refused when no unit makes a human).
+
+Solve your rig's clips afterwards with the command the card prints, e.g.
+  python -m ik_gat_jax.solve --checkpoint=WORKDIR/checkpoint --input=CLIP.bvh \
+      --output=CLIP_ikgat.bvh --units=0.056444
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from data_prep import conversion
+from experiments import export_checkpoint
+from experiments.common import fail_on_user_error
+from experiments.configs import default as default_config
+from experiments.configs import prior as prior_config
+from ik_gat_jax import checkpointing, data, evaluation, inference, iterative_ik, prior_task
+from ik_gat_jax import provenance, train
+from ik_gat_jax.io import atomic, retarget
+
+CONFIG_DIR = Path(__file__).resolve().parent / 'configs'
+STAGES = ('convert', 'ikgat', 'prior', 'evaluate', 'export')
+EVAL_METHODS = ('ikgat', 'iterative', 'swing', 'mean_pose')
+SPLIT_RULES = ('auto', 'subject', 'file')
+MANIFEST = 'train_rig.json'
+Log = Callable[[str], None]
+
+
+def _print(msg: str) -> None:
+  print(msg, flush=True)
+
+
+@dataclasses.dataclass
+class Options:
+  """What `run` does (the flags of the main). `config` / `prior_config`: the IK-GAT and prior
+  configs (default: experiments/configs/default.py and prior.py); `size`, `steps` and
+  `prior_steps` override them when given."""
+  bvh: str
+  workdir: str
+  rig: str = 'auto'
+  units: str = 'auto'
+  reference_pose: str | None = None
+  split: str = 'auto'
+  subject_regex: str | None = None
+  rig_name: str = 'auto'
+  fps: float = 30.0
+  size: str | None = 'small'
+  steps: int | None = None
+  prior_steps: int | None = None
+  export: str | None = None
+  eval_frames: int | None = None
+  iters: int = 100
+  acknowledgment: str | None = None
+  config: object | None = None
+  prior_config: object | None = None
+
+
+# ----------------------------------------------------------------------------------------------
+# The split of a rig without a committed one.
+
+
+def derive_split(files: list[tuple[str, str]], rule: str = 'auto',
+                 subject_regex: str | None = None) -> dict:
+  """A split document (data_prep/splits format) for `files` = [(relative name, sha256)] by
+  `rule` ('auto', 'subject' or 'file'; module docstring). Deterministic: a function of the
+  names only (sorted), not of their order or of any random state."""
+  if rule not in SPLIT_RULES:
+    raise ValueError(f'--split must be auto, subject, file or a split JSON, got {rule!r}')
+  files = sorted(files)
+  subject = {f: conversion.subject_of(f, subject_regex) for f, _ in files}
+  subjects = sorted(set(subject.values()))
+  if rule == 'auto':
+    rule = 'subject' if len(subjects) >= 3 else 'file'
+  if rule == 'subject':
+    if len(subjects) < 3:
+      raise ValueError(f'--split=subject needs 3 or more subjects, the files name '
+                       f'{len(subjects)} ({", ".join(subjects)}); use --split=file')
+    rank = {s: k for k, s in enumerate(subjects)}
+    slot = lambda f, i: rank[subject[f]] % 10  # noqa: E731
+    held = [('test', 'unseen_subject'), ('val', None)]
+    text = ('whole subjects held out: subjects sorted by name, the 1st, 11th, ... test, the '
+            '2nd, 12th, ... val, the rest train')
+  else:
+    slot = lambda f, i: i % 10  # noqa: E731
+    held = [('test', 'unseen_file'), ('val', None)][:max(0, min(2, len(files) - 1))]
+    text = ('files held out: files sorted by name, the 1st, 11th, ... test, the 2nd, 12th, ... '
+            'val, the rest train (2 files: test + train; 1 file: train only)')
+  entries = []
+  for i, (f, sha) in enumerate(files):
+    split, part = held[slot(f, i)] if slot(f, i) < len(held) else ('train', None)
+    entries.append({'file': f, 'sha256': sha, 'split': split, 'subject': subject[f],
+                    **({'part': part} if part else {})})
+  return {'name': f'train_rig_{rule}', 'rule': text, 'files': entries}
+
+
+# ----------------------------------------------------------------------------------------------
+# The manifest (WORKDIR/train_rig.json) and stage bookkeeping.
+
+
+class Manifest:
+  """WORKDIR/train_rig.json: the command, options and every stage's status, written atomically
+  on every change. A stage's `key` says what its output was made from; a stage whose key
+  differs from the current one is not complete."""
+
+  def __init__(self, workdir: Path, options: dict):
+    self.path = workdir / MANIFEST
+    old = json.loads(self.path.read_text()) if self.path.is_file() else {}
+    self.stages = old.get('stages', {})
+    self.doc = {'command': provenance.command_line(), 'workdir': str(workdir.absolute()),
+                'options': options, 'stages': self.stages}
+    for s in STAGES:
+      self.stages.setdefault(s, {'status': 'pending'})
+      self.stages[s].pop('skipped', None)
+    self.current = None  # the stage running now
+
+  def failed(self, e: BaseException) -> None:
+    """Records why the running stage stopped (interrupted, or the error's first line)."""
+    if self.current is not None:
+      interrupted = isinstance(e, KeyboardInterrupt)
+      text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      self.set(self.current, status='interrupted' if interrupted else 'failed',
+               **({} if interrupted else {'error': text}))
+
+  def key(self, stage: str):
+    return self.stages[stage].get('key')
+
+  def set(self, stage: str, **fields) -> None:
+    if fields.get('status') == 'running':
+      self.current = stage
+      self.stages[stage].pop('error', None)
+    elif 'status' in fields and stage == self.current:
+      self.current = None
+    self.stages[stage].update(fields)
+    self.doc['updated_utc'] = time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())
+    atomic.write_json(self.path, self.doc)
+
+
+def _digest(obj) -> str:
+  return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _run_done(workdir: Path, steps: int) -> bool:
+  """A trainer run finished for `steps` steps (run.json) with a best checkpoint."""
+  run = workdir / 'run.json'
+  if not run.is_file() or not (workdir / 'checkpoints' / 'best').is_dir():
+    return False
+  doc = json.loads(run.read_text())
+  return doc.get('status') == 'done' and doc.get('steps') == steps
+
+
+def _best(workdir: Path, task: str) -> dict:
+  """Which best checkpoint a run holds: its step and validation metric (the key of what was
+  evaluated and exported from it)."""
+  ckpt = checkpointing.Checkpointer(workdir / 'checkpoints' / 'best', create=False)
+  meta = ckpt.restore_meta()
+  return {'task': task, 'step': ckpt.latest_step(),
+          'local_rot_err_deg': meta.get('metrics', {}).get('local_rot_err_deg')}
+
+
+# ----------------------------------------------------------------------------------------------
+# Stages.
+
+
+def _convert(o: Options, w: Path, m: Manifest, log: Log, tag: str) -> dict:
+  shards, split_json = w / 'shards', w / 'split.json'
+  inputs = conversion.find_bvh_files(o.bvh)
+  files = [(f, provenance.file_sha256(p)) for f, p in inputs]
+  key = {'files': _digest(files), 'rig': o.rig, 'units': o.units,
+         'reference_pose': o.reference_pose, 'split': o.split,
+         'subject_regex': o.subject_regex, 'rig_name': o.rig_name, 'fps': o.fps}
+  if (shards / 'summary.json').is_file():
+    held = {f['file']: f['sha256'] for f in json.loads((shards / 'files.json').read_text())}
+    if held != dict(files):
+      new = sorted(set(dict(files)) - set(held))
+      gone = sorted(set(held) - set(dict(files)))
+      changed = sorted(f for f, s in files if f in held and held[f] != s)
+      raise ValueError(f'{shards} was converted from other files than --bvh={o.bvh} '
+                       f'({len(new)} new, {len(gone)} missing, {len(changed)} changed): use a new '
+                       '--workdir')
+    old = m.key('convert')
+    if old not in (None, key):
+      was = ', '.join(f'--{k}={old.get(k)}' for k in key if k != 'files' and old.get(k) != key[k])
+      raise ValueError(f'{shards} was converted with {was}: rerun with that, or use a new '
+                       '--workdir')
+    summary = json.loads((shards / 'summary.json').read_text())
+    log(f'{tag} convert: already done ({shards}: {summary["total_files"]} files, '
+        f'{summary["total_frames"]} frames), skipped')
+    m.set('convert', status='done', skipped=True, key=key)
+    return summary
+  log(f'{tag} convert: {len(files)} BVH files from {o.bvh} -> {shards}')
+  m.set('convert', status='running', key=key)
+  t = time.perf_counter()
+  split, split_file, rule = 'auto', None, None
+  if o.split.endswith('.json'):
+    split_file = str(Path(o.split).absolute())
+  else:
+    committed = None
+    if o.rig != 'auto' and o.split == 'auto':
+      committed = retarget.load_joint_map(o.rig).default_split
+    if committed is None:
+      doc = derive_split(files, o.split, o.subject_regex)
+      atomic.write_json(split_json, doc)
+      split_file, rule = str(split_json.absolute()), doc['rule']
+      counts = {s: sum(e['split'] == s for e in doc['files']) for s in ('train', 'val', 'test')}
+      log(f'{tag} convert: split {doc["name"]} ({rule}): '
+          + ', '.join(f'{n} {s}' for s, n in counts.items()) + f' files -> {split_json}')
+  units = o.units
+  if isinstance(units, str) and units.strip().lower() == 'auto' and o.rig != 'auto':
+    units = None  # the joint map's own
+  summary = conversion.convert(o.bvh, o.rig, shards, split=split, split_file=split_file,
+                               fps=o.fps, units=units, subject_regex=o.subject_regex,
+                               rig_name=o.rig_name, reference_pose=o.reference_pose, log=log)
+  log(f'{tag} convert: done in {time.perf_counter() - t:.1f} s ({summary["total_files"]} files, '
+      f'frames {summary["frames"]}, rig {summary["rig"]})')
+  m.set('convert', status='done', seconds=round(time.perf_counter() - t, 2), outputs=[
+      str(shards)], split_rule=rule or f'{split_file or "committed split of " + o.rig}')
+  return summary
+
+
+def _train(name: str, config, run: Path, m: Manifest, log: Log, tag: str, task=None,
+           after: Callable[[], None] | None = None, extra_done: Path | None = None) -> bool:
+  """Trains `config` into `run` unless finished; returns whether it ran."""
+  steps = int(config.train.steps)
+  if _run_done(run, steps):
+    if extra_done is not None and not extra_done.is_file():
+      log(f'{tag} {name}: trained ({run}, {steps} steps); writing {extra_done.name}')
+      after()
+      m.set(name, status='done', outputs=[str(run)], key={'steps': steps})
+      return True
+    log(f'{tag} {name}: already done ({run}, {steps} steps), skipped')
+    m.set(name, status='done', skipped=True, key={'steps': steps})
+    return False
+  log(f'{tag} {name}: training {steps} steps -> {run}')
+  m.set(name, status='running', key={'steps': steps})
+  t = time.perf_counter()
+  train.train_and_evaluate(config, run, log=log, **({'task': task} if task else {}))
+  if after is not None:
+    after()
+  log(f'{tag} {name}: done in {time.perf_counter() - t:.1f} s')
+  m.set(name, status='done', seconds=round(time.perf_counter() - t, 2), outputs=[str(run)])
+  return True
+
+
+def eval_split(shards: Path) -> str:
+  """test, else val, else train."""
+  have = data.available_splits(shards)
+  return next(s for s in ('test', 'val', 'train') if s in have)
+
+
+def _evaluate(o: Options, w: Path, m: Manifest, log: Log, tag: str) -> dict:
+  shards, out = w / 'shards', w / 'eval'
+  split = eval_split(shards)
+  base = {'split': split, 'eval_frames': o.eval_frames}
+  keys = {'ikgat': {**base, 'ikgat': _best(w / 'ikgat', 'ikgat')},
+          'iterative': {**base, 'iters': o.iters, 'prior': _best(w / 'prior', 'pose_prior')},
+          'swing': base, 'mean_pose': base}
+  results = {}
+  for name in EVAL_METHODS:
+    path = out / f'{name}.json'
+    if path.is_file():
+      r = json.loads(path.read_text())
+      if r.get('train_rig_key') == keys[name]:
+        results[name] = r
+  if len(results) == len(EVAL_METHODS) and (out / 'table.md').is_file():
+    log(f'{tag} evaluate: already done ({out}, {split} split), skipped')
+    m.set('evaluate', status='done', skipped=True, key=keys)
+    return results
+  log(f'{tag} evaluate: {", ".join(EVAL_METHODS)} on the {split} split -> {out}')
+  m.set('evaluate', status='running', key=keys)
+  t = time.perf_counter()
+  out.mkdir(parents=True, exist_ok=True)
+  ds = data.load_shards(shards, split)
+  train_data = data.load_shards(shards, 'train')
+  for name in EVAL_METHODS:
+    if name in results:
+      log(f'{tag} evaluate: {name} already done ({out / (name + ".json")}), skipped')
+      continue
+    method = evaluation.make_method(
+        name, ds.rig, train_data=train_data if name == 'mean_pose' else None,
+        checkpoint=w / 'ikgat', prior=w / 'prior', solver=iterative_ik.SolverConfig(iters=o.iters))
+    r = evaluation.evaluate(method, ds, ds.rig, max_frames=o.eval_frames)
+    r.update(command=provenance.command_line(), train_rig_key=keys[name])
+    atomic.write_json(out / f'{name}.json', r)
+    results[name] = r
+    log(f'{tag} evaluate: {name}: local {r["local_rot_err_deg"]:.2f} deg, MPJPE '
+        f'{r["mpjpe_mm"]:.1f} mm, {r["frames"]} frames at {r["frames_per_s"]:,.0f} frames/s')
+  atomic.write_text(out / 'table.md', results_table(results, ds) + '\n')
+  log(f'{tag} evaluate: done in {time.perf_counter() - t:.1f} s ({out / "table.md"})')
+  m.set('evaluate', status='done', seconds=round(time.perf_counter() - t, 2),
+        outputs=[str(out / f'{n}.json') for n in EVAL_METHODS] + [str(out / 'table.md')])
+  return results
+
+
+def results_table(results: dict, ds) -> str:
+  rows = [evaluation.result_cells(results[n], n) for n in EVAL_METHODS if n in results]
+  files = sorted({f['file'] for f in ds.files if f['split'] == ds.split})
+  return '\n'.join([
+      f'{ds.rig.name}: {ds.split} split, {len(ds)} frames, {len(files)} files '
+      f'({", ".join(files[:8])}{" ..." if len(files) > 8 else ""})', '',
+      evaluation.markdown_grid(evaluation.RESULT_COLUMNS, rows), '',
+      'ikgat: this run\'s IK-GAT (best val checkpoint); iterative: the VPoser-style solver with '
+      'this run\'s prior; swing: swing-only IK (a floor); mean_pose: the mean training pose (a '
+      'floor). Local rotation errors in degrees, MPJPE in mm (DESIGN section 7).'])
+
+
+def solve_command(export: Path, summary: dict, o: Options) -> str:
+  """The `ik_gat_jax.solve` command that reads a clip of this rig as the conversion did."""
+  run = summary['runs'][-1]
+  cmd = (f'python -m ik_gat_jax.solve --checkpoint={export} --input=CLIP.bvh '
+         f'--output=CLIP_ikgat.bvh --units={run["units_m"]:g}')
+  if o.rig == 'auto':
+    return cmd
+  return cmd + f' --joint_map={Path(o.rig).absolute() if Path(o.rig).is_file() else o.rig}'
+
+
+def _card_extra(o: Options, w: Path, summary: dict, results: dict, export: Path, ds,
+                split_rule: str | None) -> str:
+  run = summary['runs'][-1]
+  files = json.loads((w / 'shards' / 'files.json').read_text())
+  lines = ['## This rig\'s evaluation', '', results_table(results, ds), '',
+           '## Data', '',
+           f'Source: {Path(o.bvh).absolute()} ({len(files)} BVH files, {summary["total_frames"]} '
+           f'frames at {summary["fps"]:g} fps), converted with `--rig={o.rig}` (joint map '
+           f'{run["joint_map"]}) to rig {summary["rig"]} ({ds.rig.num_joints} joints: '
+           f'{", ".join(ds.rig.joint_names)}); {run["units_m"]:g} m per file unit '
+           f'(`--units={o.units}`), up {run["up"]}, forward {run["forward"]}, reference pose '
+           f'{run["reference_pose"] or "zero"}. Split: {split_rule}.', '',
+           '| file | subject | split | frames | sha256 |', '|---|---|---|---:|---|']
+  lines += [f'| {f["file"]} | {f["subject"]} | {f["split"]} | {f["frames"]} | '
+            f'{f["sha256"][:16]} |' for f in files]
+  lines += ['', '## Solving with it', '', f'`{solve_command(export, summary, o)}`', '',
+            'The output BVH has the rig\'s joints with their source names (joints the rig '
+            'left out, such as constant-rotation joints, are not written), ZYX Euler channels, '
+            'centimetres (`--bvh_units=m` for metres) and the rig\'s y-up world.', '',
+            f'Made by `{provenance.command_line()}` (workdir {w.absolute()}).']
+  return '\n'.join(lines)
+
+
+def _export(o: Options, w: Path, m: Manifest, summary: dict, results: dict, log: Log,
+            tag: str) -> Path:
+  export = Path(o.export) if o.export else w / 'checkpoint'
+  key = {'ikgat': _best(w / 'ikgat', 'ikgat'), 'eval': _digest(m.key('evaluate')),
+         'export': str(export.absolute()), 'acknowledgment': o.acknowledgment}
+  if m.key('export') == key and (export / 'README.md').is_file():
+    log(f'{tag} export: already done ({export}), skipped')
+    m.set('export', status='done', skipped=True)
+    return export
+  log(f'{tag} export: IK-GAT best checkpoint -> {export}')
+  m.set('export', status='running', key=key)
+  t = time.perf_counter()
+  shards = w / 'shards'
+  ds = data.load_shards(shards, eval_split(shards))
+  test = results['ikgat']
+  heading = ('Test split' if ds.split == 'test' else
+             f'{ds.split.capitalize()} split (this rig has no test split)')
+  done = export_checkpoint.export_run(
+      w / 'ikgat', export, task='ikgat', test=test, acknowledgment=o.acknowledgment,
+      test_heading=heading,
+      extra=_card_extra(o, w, summary, results, export, ds,
+                        m.stages['convert'].get('split_rule')))
+  inference.load_model(export)  # the exported checkpoint loads
+  log(f'{tag} export: done in {time.perf_counter() - t:.1f} s ({export}, step {done["step"]}, '
+      f'{done["size_bytes"] / 1e6:.1f} MB); solve with: {solve_command(export, summary, o)}')
+  m.set('export', status='done', seconds=round(time.perf_counter() - t, 2),
+        outputs=[str(export)], solve_command=solve_command(export, summary, o))
+  return export
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole command.
+
+
+def configs(o: Options, shards: Path):
+  """(IK-GAT config, prior config) for `o` on `shards`."""
+  c = o.config if o.config is not None else default_config.get_config()
+  c.data = str(shards)
+  if o.size is not None:
+    c.model.size = o.size
+  if o.steps is not None:
+    c.train.steps = o.steps
+  p = o.prior_config if o.prior_config is not None else prior_config.get_config()
+  p.data = str(shards)
+  if o.prior_steps is not None:
+    p.train.steps = o.prior_steps
+  return c, p
+
+
+def run(o: Options, log: Log = _print) -> dict:
+  """Runs (or continues) every stage for `o`; returns the manifest (WORKDIR/train_rig.json)."""
+  w = Path(o.workdir)
+  if not Path(o.bvh).exists():
+    raise FileNotFoundError(f'--bvh {o.bvh} does not exist')
+  w.mkdir(parents=True, exist_ok=True)
+  shown = {k: v for k, v in dataclasses.asdict(o).items() if k not in ('config', 'prior_config')}
+  m = Manifest(w, shown)
+  try:
+    return _run_stages(o, w, m, log)
+  except BaseException as e:
+    m.failed(e)
+    raise
+
+
+def _run_stages(o: Options, w: Path, m: Manifest, log: Log) -> dict:
+  tag = lambda i: f'[{i}/{len(STAGES)}]'  # noqa: E731
+  t0 = time.perf_counter()
+  summary = _convert(o, w, m, log, tag(1))
+  c, p = configs(o, w / 'shards')
+  m.doc['configs'] = {'ikgat': c.to_dict(), 'prior': p.to_dict()}
+  _train('ikgat', c, w / 'ikgat', m, log, tag(2))
+
+  def prior_report():
+    train_data = data.load_shards(p.data, 'train')
+    model, _ = inference.load_model(w / 'prior', task=prior_task.PRIOR_TASK)
+    val_split = 'val' if 'val' in data.available_splits(p.data) else 'train'
+    report = prior_task.evaluate_prior(model, train_data, data.load_shards(p.data, val_split),
+                                       train_data.rig, p)
+    atomic.write_json(w / 'prior' / 'prior_report.json', report)
+    r = report['val_reconstruction']
+    log(f'{tag(3)} prior: {val_split} reconstruction {r["local_rot_err_deg"]:.2f} deg, '
+        f'active latent dims {report["active_dims"]}/{report["latent"]}')
+
+  if not p.get('prior_stats'):
+    p.prior_stats = prior_task.standardization_config(data.load_shards(p.data, 'train'))
+  _train('prior', p, w / 'prior', m, log, tag(3), task=prior_task.PRIOR_TASK,
+         after=prior_report, extra_done=w / 'prior' / 'prior_report.json')
+  results = _evaluate(o, w, m, log, tag(4))
+  export = _export(o, w, m, summary, results, log, tag(5))
+  skipped = [s for s in STAGES if m.stages[s].get('skipped')]
+  log(f'train_rig: finished in {time.perf_counter() - t0:.1f} s'
+      + (f' ({len(skipped)} of {len(STAGES)} stages already done)' if skipped else '')
+      + f'; table {w / "eval" / "table.md"}, checkpoint {export}')
+  m.set('export')  # final write (updated_utc)
+  return m.doc
+
+
+# ----------------------------------------------------------------------------------------------
+# The absl main. Flags are defined only when this module runs as the main (not at import), so
+# tests and other mains can import `run` without claiming --workdir, --steps, --config ...
+
+
+def define_flags() -> None:
+  s = flags.DEFINE_string
+  s('bvh', None, 'A directory searched for *.bvh (or one BVH file) of your rig.')
+  s('workdir', None, 'Where everything goes; rerun the same command to continue.')
+  s('rig', 'auto', '"auto" (derived from the files), a joint-map JSON or a built-in name.')
+  s('units', 'auto', 'Metres per file unit: auto (estimated for --rig=auto, the joint map\'s '
+    'otherwise), a number, or m, cm, mm, in, ft, cmu.')
+  flags.DEFINE_enum('reference_pose', None, ['zero', 'first_frame'], 'The source\'s natural '
+                    '(T-)pose: its zero pose or frame 0 of the first file (bvh_to_shards).')
+  s('split', 'auto', 'auto, subject, file (module docstring) or a split JSON.')
+  s('subject_regex', None, 'Regex on the file name whose group "subject" (or 1) names the '
+    'subject.')
+  s('rig_name', 'auto', 'Name of a rig derived by --rig=auto.')
+  flags.DEFINE_float('fps', 30.0, 'Frame rate of the shards.')
+  flags.DEFINE_enum('size', 'small', ['tiny', 'small', 'base', 'large'], 'IK-GAT size.')
+  flags.DEFINE_integer('steps', None, 'IK-GAT training steps (default: the config\'s, 5000).')
+  flags.DEFINE_integer('prior_steps', None, 'Prior training steps (default: the config\'s, '
+                       '3000).')
+  s('export', None, 'Exported checkpoint directory (default WORKDIR/checkpoint).')
+  flags.DEFINE_integer('eval_frames', None, 'Evaluate at most this many frames (default all).')
+  flags.DEFINE_integer('iters', 100, 'Iterations per frame of the iterative solver.')
+  s('acknowledgment', None, 'Your data\'s acknowledgment, for the card.')
+  config_flags.DEFINE_config_file('config', str(CONFIG_DIR / 'default.py'),
+                                  'IK-GAT config (--config.train.lr=...).', lock_config=False)
+  config_flags.DEFINE_config_file('prior_config', str(CONFIG_DIR / 'prior.py'),
+                                  'Prior config (--prior_config.model.latent=...).',
+                                  lock_config=False)
+
+
+@fail_on_user_error
+def main(argv):
+  if len(argv) > 1:
+    raise ValueError(f'unexpected arguments {" ".join(argv[1:])}; flags look like --bvh=DIR')
+  F = flags.FLAGS
+  for name in ('bvh', 'workdir'):
+    if not F[name].value:
+      raise ValueError(f'--{name} is required')
+  o = Options(bvh=F.bvh, workdir=F.workdir, rig=F.rig, units=F.units,
+              reference_pose=F.reference_pose, split=F.split, subject_regex=F.subject_regex,
+              rig_name=F.rig_name, fps=F.fps, size=F['size'].value, steps=F.steps,
+              prior_steps=F.prior_steps, export=F.export, eval_frames=F.eval_frames,
+              iters=F.iters, acknowledgment=F.acknowledgment, config=F.config,
+              prior_config=F.prior_config)
+  try:
+    run(o)
+  except KeyboardInterrupt:
+    print('interrupted; rerun the same command to continue', file=sys.stderr)
+    sys.exit(130)
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)

@@ -1,0 +1,183 @@
+"""experiments.train_rig: one command for a user's own rig, end to end on three short CMU files
+through --rig=auto (convert, IK-GAT, prior, evaluation, export), its resume, and solving one of
+the rig's clips with the exported checkpoint."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments import export_checkpoint, train_rig
+from ik_gat_jax import inference
+from ik_gat_jax.io import bvh
+from ik_gat_jax.skeleton import depth_first_order
+
+REPO = Path(__file__).resolve().parents[1]
+FILES = ('07_12', '08_10', '09_03')  # short files of three subjects
+
+
+def _tiny_options(bvh_dir, workdir):
+  """experiments/configs/test.py for IK-GAT (tiny, batch 32) and a small prior, 20 steps each."""
+  from experiments.configs import prior as prior_config
+  from experiments.configs import test as test_config
+  p = prior_config.get_config()
+  p.model.update(latent=8, hidden=64)
+  p.train.update(batch_size=32, warmup_steps=5, log_every=10, eval_every=10,
+                 checkpoint_every=10, val_frames=128, eval_batch_size=128)
+  return train_rig.Options(bvh=str(bvh_dir), workdir=str(workdir), size='tiny', steps=20,
+                           prior_steps=20, iters=20, config=test_config.get_config(),
+                           prior_config=p, acknowledgment=export_checkpoint.ACK)
+
+
+@pytest.fixture(scope='module')
+def rig_run(cmu_dir, tmp_path_factory):
+  root = tmp_path_factory.mktemp('train_rig')
+  bvh_dir = root / 'bvh'
+  bvh_dir.mkdir()
+  for name in FILES:
+    (bvh_dir / f'{name}.bvh').symlink_to(cmu_dir / f'{name}.bvh')
+  lines = []
+  options = _tiny_options(bvh_dir, root / 'work')
+  manifest = train_rig.run(options, log=lines.append)
+  return options, manifest, lines
+
+
+def test_derive_split_rules():
+  sha = lambda f: f'{abs(hash(f)) % 10**8:08d}'  # noqa: E731
+  # Three subjects: whole subjects held out, sorted by name.
+  files = [(f'{s}_{k:02d}.bvh', sha(f'{s}{k}')) for s in ('b', 'a', 'c') for k in (1, 2)]
+  doc = train_rig.derive_split(files)
+  where = {e['file']: (e['split'], e.get('part')) for e in doc['files']}
+  assert doc['name'] == 'train_rig_subject'
+  assert where['a_01.bvh'] == where['a_02.bvh'] == ('test', 'unseen_subject')
+  assert where['b_01.bvh'] == ('val', None) and where['c_02.bvh'] == ('train', None)
+  assert train_rig.derive_split(files[::-1]) == doc  # a function of the names only
+  # Twelve subjects: the 1st and 11th test, the 2nd and 12th val.
+  many = [(f's{k:02d}_01.bvh', sha(k)) for k in range(12)]
+  splits = [e['split'] for e in train_rig.derive_split(many)['files']]
+  assert splits == ['test', 'val'] + ['train'] * 8 + ['test', 'val']
+  # Fewer than three subjects: by file; one file trains only, two give test + train.
+  one_subject = [(f'walk_{k:02d}.bvh', sha(k)) for k in range(12)]
+  splits = [e['split'] for e in train_rig.derive_split(one_subject)['files']]
+  assert splits == ['test', 'val'] + ['train'] * 8 + ['test', 'val']
+  assert [e['split'] for e in train_rig.derive_split(one_subject[:2])['files']] == ['test',
+                                                                                 'train']
+  assert [e['split'] for e in train_rig.derive_split(one_subject[:1])['files']] == ['train']
+  with pytest.raises(ValueError, match='3 or more subjects'):
+    train_rig.derive_split(one_subject, 'subject')
+  with pytest.raises(ValueError, match='--split must be'):
+    train_rig.derive_split(one_subject, 'random')
+
+
+def test_every_stage_writes_sane_outputs(rig_run):
+  options, manifest, lines = rig_run
+  w = Path(options.workdir)
+  assert all(manifest['stages'][s]['status'] == 'done' for s in train_rig.STAGES)
+  assert json.loads((w / 'train_rig.json').read_text())['stages'] == manifest['stages']
+  for i, stage in enumerate(train_rig.STAGES, 1):  # progress: a start and a finish line each
+    mine = [ln for ln in lines if ln.startswith(f'[{i}/5] {stage}:')]
+    assert len(mine) >= 2 and 'done in' in mine[-1], mine
+  # 1: shards from the derived split (07 test, 08 val, 09 train).
+  summary = json.loads((w / 'shards' / 'summary.json').read_text())
+  assert summary['rig'] == 'auto' and summary['total_files'] == 3
+  assert summary['runs'][-1]['units_m'] == pytest.approx(0.056444)  # --units=auto: cmu
+  split = {e['file']: e['split'] for e in json.loads((w / 'split.json').read_text())['files']}
+  assert split == {'07_12.bvh': 'test', '08_10.bvh': 'val', '09_03.bvh': 'train'}
+  # 2, 3: finished runs; the prior's report.
+  for run in ('ikgat', 'prior'):
+    doc = json.loads((w / run / 'run.json').read_text())
+    assert doc['status'] == 'done' and doc['step'] == 20
+  report = json.loads((w / 'prior' / 'prior_report.json').read_text())
+  assert math.isfinite(report['val_reconstruction']['local_rot_err_deg'])
+  # 4: every method on the test split; swing-only IK's floor finite and exact in positions.
+  results = {m: json.loads((w / 'eval' / f'{m}.json').read_text()) for m in train_rig.EVAL_METHODS}
+  for m, r in results.items():
+    assert r['split'] == 'test' and r['frames'] == 66, m
+    assert math.isfinite(r['local_rot_err_deg']), m
+  assert 0 < results['swing']['local_rot_err_deg'] < 45
+  assert results['swing']['mpjpe_mm'] < 1.0
+  assert results['iterative']['settings']['prior'] == str(w / 'prior')
+  table = (w / 'eval' / 'table.md').read_text()
+  assert all(f'| {m} | 66 |' in table for m in train_rig.EVAL_METHODS), table
+  # 5: the exported checkpoint loads, its card has the metrics, data provenance and solve line.
+  export = w / 'checkpoint'
+  model, meta = inference.load_model(export)
+  assert meta['rig']['name'] == 'auto' and len(meta['rig']['joint_names']) == 27
+  card = (export / 'README.md').read_text()
+  for text in ('## Test split', "## This rig's evaluation", '| 07_12.bvh | 07 | test | 66 |',
+               '--units=0.056444', 'mocap.cs.cmu.edu', 'whole subjects held out'):
+    assert text in card, text
+  assert json.loads((export / 'test_metrics.json').read_text())['method'] == 'ikgat'
+
+
+def test_rerun_skips_every_finished_stage(rig_run):
+  options, _, _ = rig_run
+  lines = []
+  manifest = train_rig.run(options, log=lines.append)
+  for i, stage in enumerate(train_rig.STAGES, 1):
+    assert any(ln.startswith(f'[{i}/5] {stage}: already done') and ln.endswith('skipped')
+               for ln in lines), lines
+    assert manifest['stages'][stage]['skipped'] is True
+  assert not any('training' in ln for ln in lines)
+  assert '(5 of 5 stages already done)' in lines[-1]
+
+
+def test_other_files_in_the_same_workdir_are_refused(rig_run, tmp_path):
+  options, _, _ = rig_run
+  (tmp_path / '07_12.bvh').symlink_to(Path(options.bvh) / '07_12.bvh')
+  other = train_rig.Options(bvh=str(tmp_path), workdir=options.workdir)
+  with pytest.raises(ValueError, match='converted from other files .*2 missing'):
+    train_rig.run(other, log=lambda m: None)
+
+
+def test_solve_writes_the_rigs_bvh(rig_run, tmp_path):
+  """`ik_gat_jax.solve --checkpoint=EXPORT --units=...` (the card's command) on one of the rig's
+  clips writes a BVH in the rig's own joint names (its source names). What it does not keep
+  (reported, not rebuilt): the output is in cm (not the source's units), always ZYX, and the
+  joints the rig removed are not written."""
+  from ik_gat_jax.solve import solve_file
+  options, manifest, _ = rig_run
+  export = Path(options.workdir) / 'checkpoint'
+  command = manifest['stages']['export']['solve_command']
+  units = command.split('--units=')[1].split()[0]
+  source = Path(options.bvh) / '09_03.bvh'
+  out = tmp_path / 'solved.bvh'
+  summary = solve_file(source, out, checkpoint=str(export), units=units, log=lambda m: None)
+  _, meta = inference.load_model(export)
+  rig_names, parents = meta['rig']['joint_names'], meta['rig']['parents']
+  solved, original = bvh.read_bvh(out), bvh.read_bvh(source)
+  assert solved.names == tuple(rig_names[j] for j in depth_first_order(parents))
+  assert set(solved.names) < set(original.names)  # the rig's names are the source's
+  assert solved.num_frames == original.num_frames == summary['frames']
+  assert solved.frame_time == pytest.approx(original.frame_time, rel=1e-5)
+  assert solved.joints[1].channels == original.joints[1].channels == (
+      'Zrotation', 'Yrotation', 'Xrotation')  # CMU is ZYX too; the writer always is
+  # Root translation in cm: the source's (CMU units) times 5.6444.
+  np.testing.assert_allclose(solved.motion[:, :3], original.motion[:, :3] * 5.6444, atol=1e-3)
+
+
+def test_bad_input_is_one_line(tmp_path):
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
+  proc = subprocess.run(
+      [sys.executable, '-m', 'experiments.train_rig', f'--bvh={tmp_path / "missing"}',
+       f'--workdir={tmp_path / "w"}'], cwd=REPO, env=env, capture_output=True, text=True,
+      timeout=120)
+  assert proc.returncode == 2, proc.stderr
+  err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+  assert err == [f'error: --bvh {tmp_path / "missing"} does not exist'], proc.stderr
+
+
+def test_a_failed_stage_is_recorded(tmp_path, cmu_dir):
+  (tmp_path / 'bvh').mkdir()
+  (tmp_path / 'bvh' / '09_03.bvh').symlink_to(cmu_dir / '09_03.bvh')
+  o = train_rig.Options(bvh=str(tmp_path / 'bvh'), workdir=str(tmp_path / 'w'), units='furlong')
+  with pytest.raises(ValueError, match='--units'):
+    train_rig.run(o, log=lambda m: None)
+  stage = json.loads((tmp_path / 'w' / 'train_rig.json').read_text())['stages']['convert']
+  assert stage['status'] == 'failed' and '--units' in stage['error']
+  assert not (tmp_path / 'w' / 'shards').exists()
