@@ -1,4 +1,4 @@
-"""The solver's files: positions in (npz, csv, BVH), rotations out (npz, BVH, SMPL npz).
+"""The solver's files: positions in (npz, csv, BVH), rotations out (npz, BVH, SMPL npz, GLB).
 
 Readers return positions `[T, J, 3]` in the rig's joint order:
 - npz: key `positions` (or the only array), `[T, J, 3]` or `[J, 3]`, input units; optional
@@ -24,6 +24,11 @@ refused unless `overwrite`):
 - SMPL npz (rig `smpl22` only): the fields of `io.smpl.smpl_arrays` (that module's docstring):
   `poses [T, 66]` axis-angle of the 22 local rotations (root orientation first), `trans`, ...;
   in the rig's y-up world (the SMPL model's frame) by default, or AMASS's with `world='amass'`.
+- GLB (`write_solution_glb`; `io.gltf.solution_glb` for the bytes): glTF 2.0 binary, one node
+  per rig joint (the rig's names and hierarchy, rest translation = the subject's offsets, rest
+  rotation identity), the local rotations and the root position as LINEAR channels at t / fps,
+  and a body of boxes, each rigidly skinned to its joint. Metres, y up; a rig with other axes
+  sits under one fixed rotation node. Details in `io.gltf`'s docstring.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from ik_gat_jax import rotations
 from ik_gat_jax.errors import ConversionError, InputError
 from ik_gat_jax.io import atomic
 from ik_gat_jax.io import bvh
+from ik_gat_jax.io import gltf
 from ik_gat_jax.io import retarget
 from ik_gat_jax.io import smpl
 from ik_gat_jax.io.units import parse_units
@@ -380,3 +386,9 @@ def write_smpl_npz(path: str | os.PathLike, sol, rig: Rig, fps: float,
                    overwrite: bool = True, world: str = 'rig') -> None:
   """`io.smpl.smpl_arrays` of a `solver.Solution`, written atomically."""
   write_npz_atomic(path, smpl.smpl_arrays(sol, rig, fps, world), overwrite)
+
+
+def write_solution_glb(path: str | os.PathLike, sol, rig: Rig, fps: float,
+                       overwrite: bool = True) -> None:
+  """`io.gltf.solution_glb` of a `solver.Solution` (glTF 2.0 binary), written atomically."""
+  gltf.write_solution_glb(check_output(path, overwrite), sol, rig, fps, overwrite=True)
