@@ -10,9 +10,12 @@ Input by extension: .npz (`positions [T, J, 3]`), .csv (one frame per row, J x 3
 rig order, header optional), .bvh (joint positions by FK, the file's own rest offsets). Output
 by extension: .bvh (the rig with the subject's offsets, animated; centimetres unless
 --bvh_units=m), .npz (rotations, FK positions, offsets), .smpl.npz (SMPL axis-angle pose
-parameters `[T, 66]`, smpl22 rig only; --smpl_world=amass for AMASS's z-up world). Every
-output is written to a temp file and renamed once everything succeeded; an existing output is
-refused without --overwrite; every error is one line on stderr with exit status 2.
+parameters `[T, 66]`, smpl22 rig only; --smpl_world=amass for AMASS's z-up world), .glb (glTF
+2.0 binary: the rig as nodes, the motion as animation, a box body skinned to it; io/gltf.py).
+Every output is written to a temp file and renamed once everything succeeded; an existing output is
+refused without --overwrite; every error is one line on stderr with exit status 2. The command
+line (`run`, not `solve_file`) keeps compiled code in a persistent cache, `~/.cache/ik_gat_jax/jax`
+(compile_cache.py; `IK_GAT_NO_COMPILE_CACHE=1` turns it off), so a second run skips compiling.
 `solve_file` is the same as a library call (no flags read).
 """
 
@@ -27,6 +30,7 @@ from typing import Callable
 import numpy as np
 from absl import app, flags, logging
 
+from ik_gat_jax import compile_cache
 from ik_gat_jax import plots
 from ik_gat_jax import solver as solver_lib
 from ik_gat_jax import temporal
@@ -43,14 +47,14 @@ def _stderr(msg: str) -> None:
 
 
 def output_kind(path: str | Path) -> str:
-  """'bvh', 'smpl' (.smpl.npz) or 'npz' from the output's extension."""
+  """'bvh', 'smpl' (.smpl.npz), 'npz' or 'glb' from the output's extension."""
   name = str(path).lower()
   if name.endswith('.smpl.npz'):
     return 'smpl'
-  for ext in ('bvh', 'npz'):
+  for ext in ('bvh', 'npz', 'glb'):
     if name.endswith('.' + ext):
       return ext
-  raise InputError(f'output {path}: unknown format; use .bvh, .npz or .smpl.npz')
+  raise InputError(f'output {path}: unknown format; use .bvh, .npz, .smpl.npz or .glb')
 
 
 def parse_frames(spec: str | None, num_frames: int, default: int) -> list[int]:
@@ -206,6 +210,8 @@ def _write_main(kind, path, sol, rig, fps, bvh_units, smpl_world, solver) -> Non
     exports.write_solution_bvh(path, sol, rig, fps, units=bvh_units)
   elif kind == 'smpl':
     exports.write_smpl_npz(path, sol, rig, fps, world=smpl_world)
+  elif kind == 'glb':
+    exports.write_solution_glb(path, sol, rig, fps)
   else:
     exports.write_npz_atomic(path, exports.solution_arrays(
         sol, rig, fps, {'checkpoint': np.asarray(str(solver.source))}))
@@ -235,7 +241,8 @@ def define_flags() -> None:
     return
   s, b = flags.DEFINE_string, flags.DEFINE_boolean
   s('input', None, 'Positions: .npz (positions [T,J,3]), .csv (J*3 columns per row) or .bvh.')
-  s('output', None, 'Result: .bvh, .npz, or .smpl.npz (SMPL pose parameters, smpl22 only).')
+  s('output', None, 'Result: .bvh, .npz, .smpl.npz (SMPL pose parameters, smpl22 only) or '
+    '.glb (glTF 2.0 binary, animated rig with a box body).')
   s('checkpoint', None, 'Run or checkpoint directory (default: the shipped checkpoint).')
   s('rig', None, 'Refuse a checkpoint that is not for this rig (name or rig JSON).')
   s('offsets_from', None, 'BVH whose rest offsets are the subject (default: the input BVH\'s '
@@ -312,6 +319,7 @@ def main(argv) -> None:
 def run(argv: list[str] | None = None) -> int:
   """Parses `argv` (argv[0] = program name) and runs `main`; returns the exit status."""
   argv = list(sys.argv if argv is None else argv)
+  compile_cache.enable()  # the command line's persistent cache, before the first compilation
   define_flags()
   if any(a in ('-h', '--help', '-help', '--helpshort') for a in argv[1:]):
     print(__doc__.strip() + '\n\nflags:\n' + flags.FLAGS.module_help(sys.modules[__name__]))

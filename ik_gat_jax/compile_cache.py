@@ -1,0 +1,127 @@
+"""The command line's persistent compilation cache: a second run of a command skips compiling.
+
+`enable()` is called by the command-line entry points only (`python -m ik_gat_jax.solve`,
+`ik-gat`), before their first compilation; importing the library never calls it, so a program
+that uses `IKSolver` keeps JAX's own settings. It
+
+- does nothing when `IK_GAT_NO_COMPILE_CACHE` is 1 (or true / yes / on): no default cache
+  (JAX's own settings, such as `JAX_COMPILATION_CACHE_DIR`, still apply);
+- leaves a cache directory set by the user alone (`JAX_COMPILATION_CACHE_DIR`, or
+  `jax.config.update('jax_compilation_cache_dir', ...)` before the call);
+- otherwise points JAX's persistent cache at `$XDG_CACHE_HOME/ik_gat_jax/jax` (default
+  `~/.cache/ik_gat_jax/jax`) and, unless `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` is set,
+  caches every compilation (`MIN_COMPILE_SECS` = 0). Delete the folder to clear it; JAX
+  keys entries by the program, JAX version, backend and flags, so stale ones are never used.
+
+Concurrent runs. JAX 0.10.2's file cache (`jax._src.lru_cache.LRUCache`, no size limit) writes
+an entry with `Path.write_bytes` in place: a run reading while another writes can see half an
+entry, and two runs writing one key can interleave. So `enable()` installs `_AtomicFileCache`,
+the same cache whose `put` writes a temp file beside the entry and renames it over the name
+(`io.atomic`): a reader sees no entry or a whole one; concurrent writers of one key each rename
+a whole file. Reads are JAX's own. Where JAX's internals differ (another JAX version) it falls
+back to JAX's own cache and says so in `status()`; a bad entry is then only a warning and a
+recompile (JAX catches read errors).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+ENV_OFF = 'IK_GAT_NO_COMPILE_CACHE'
+# Cache every compilation: a solve writes about 50 entries (0.4 MB, mostly small eager ops that
+# would otherwise be recompiled every run), and with a threshold a compilation near it would be
+# cached in one run and not in the next.
+MIN_COMPILE_SECS = 0.0
+_TRUE = ('1', 'true', 'yes', 'on')
+
+_status: dict = {'enabled': False, 'reason': 'enable() not called'}
+
+
+def default_dir(environ: Mapping[str, str] = os.environ) -> Path:
+  """`$XDG_CACHE_HOME/ik_gat_jax/jax`, else `~/.cache/ik_gat_jax/jax`."""
+  base = environ.get('XDG_CACHE_HOME') or ''
+  root = Path(base) if os.path.isabs(base) else Path(environ.get('HOME') or Path.home()) / '.cache'
+  return root / 'ik_gat_jax' / 'jax'
+
+
+def disabled(environ: Mapping[str, str] = os.environ) -> bool:
+  return environ.get(ENV_OFF, '').strip().lower() in _TRUE
+
+
+def enable(environ: Mapping[str, str] = os.environ) -> Path | None:
+  """Turns the persistent compilation cache on for this process (see the module docstring).
+
+  Returns the cache directory in effect (the user's own, or the default), None when off.
+  """
+  global _status
+  import jax
+  if disabled(environ):
+    _status = {'enabled': False, 'reason': f'{ENV_OFF}={environ.get(ENV_OFF)}'}
+    return None
+  own = jax.config.jax_compilation_cache_dir
+  if own:
+    _status = {'enabled': True, 'dir': str(own), 'source': 'user', 'atomic_writes': False}
+    return Path(own)
+  path = default_dir(environ)
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:  # a read-only home: run without the cache
+    _status = {'enabled': False, 'reason': f'cannot create {path}: {e}'}
+    return None
+  if 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS' not in environ:
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', MIN_COMPILE_SECS)
+  jax.config.update('jax_compilation_cache_dir', str(path))
+  _status = {'enabled': True, 'dir': str(path), 'source': 'default',
+             'atomic_writes': _install_atomic_cache(path)}
+  return path
+
+
+def status() -> dict:
+  """What `enable()` did: enabled, dir, source ('default' | 'user'), atomic_writes, or reason."""
+  return dict(_status)
+
+
+def _install_atomic_cache(path: Path) -> bool:
+  """Makes JAX use `_AtomicFileCache` at `path`; False (JAX's own cache) where JAX's internals
+  are not those of 0.10.2 or the cache was already initialised."""
+  try:
+    from jax._src import compilation_cache as cc
+    cls = _atomic_cache_class()
+    if cc._cache is not None or cc._cache_initialized:
+      return False
+    if _config('jax_compilation_cache_max_size') != -1 or \
+        _config('jax_compilation_cache_check_contents'):
+      return False  # JAX's eviction (file locks) or verification: leave them to JAX
+    with cc._cache_initialized_mutex:
+      cc._cache = cls(str(path), max_size=-1)
+      cc._cache_initialized = True
+    return True
+  except (ImportError, AttributeError, TypeError):
+    return False
+
+
+def _config(name: str):
+  import jax
+  return jax.config.values.get(name)
+
+
+def _atomic_cache_class():
+  from jax._src import lru_cache
+
+  from ik_gat_jax.io import atomic
+
+  class _AtomicFileCache(lru_cache.LRUCache):
+    """JAX's file cache without eviction, each entry written to a temp file and renamed."""
+
+    def put(self, key: str, value: bytes) -> None:
+      if not key:
+        raise ValueError('key cannot be empty')
+      target = self.path / f'{key}{lru_cache._CACHE_SUFFIX}'
+      if target.exists():
+        return
+      with atomic.atomic_path(target) as tmp:
+        Path(tmp).write_bytes(value)
+
+  return _AtomicFileCache

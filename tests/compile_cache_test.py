@@ -1,0 +1,152 @@
+"""The command line's persistent compilation cache (ik_gat_jax/compile_cache.py).
+
+`python -m ik_gat_jax.solve` on a 4-frame clip in subprocesses with a temporary HOME: the first
+run fills `~/.cache/ik_gat_jax/jax`, the second finds every compilation there (no new entry),
+two runs at once on an empty cache both succeed and leave whole entries only, and
+`IK_GAT_NO_COMPILE_CACHE=1` writes nothing. No timing is asserted.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ik_gat_jax import compile_cache, skeleton
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope='module')
+def tiny_npz(tmp_path_factory):
+  """4 frames near the cmu_body template's rest pose (FK of the rest offsets, mm noise)."""
+  rig = skeleton.cmu_body()
+  rest = skeleton.rest_positions_np(rig.template(), rig.parents)
+  noise = 0.005 * np.random.default_rng(0).normal(size=(4, rig.num_joints, 3))
+  path = tmp_path_factory.mktemp('cc_input') / 'clip.npz'
+  np.savez(path, positions=(rest[None] + noise).astype(np.float32), fps=np.float32(30))
+  return path
+
+
+def _env(home: Path, **extra) -> dict:
+  env = {k: v for k, v in os.environ.items()
+         if k not in ('JAX_COMPILATION_CACHE_DIR', 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS',
+                      'XDG_CACHE_HOME', compile_cache.ENV_OFF)}  # conftest sets the first two
+  env.update(HOME=str(home), JAX_PLATFORMS='cpu', **extra)
+  return env
+
+
+def _solve_cmd(inp: Path, out: Path) -> list[str]:
+  return [sys.executable, '-m', 'ik_gat_jax.solve', f'--input={inp}', f'--output={out}']
+
+
+_BAD_ENTRY = 'Error reading persistent compilation cache'  # JAX's warning for a bad entry
+
+
+def _solve(inp: Path, out: Path, env: dict) -> None:
+  done = subprocess.run(_solve_cmd(inp, out), cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert _BAD_ENTRY not in done.stderr, done.stderr[-2000:]
+  assert out.is_file()
+
+
+def _entries(cache: Path) -> set[str]:
+  return {p.name for p in cache.glob('*-cache')} if cache.is_dir() else set()
+
+
+def test_default_dir_respects_xdg_cache_home(tmp_path):
+  assert compile_cache.default_dir({'HOME': '/h'}) == Path('/h/.cache/ik_gat_jax/jax')
+  assert compile_cache.default_dir({'HOME': '/h', 'XDG_CACHE_HOME': str(tmp_path)}) == \
+      tmp_path / 'ik_gat_jax' / 'jax'
+  # The XDG spec: a relative XDG_CACHE_HOME is ignored.
+  assert compile_cache.default_dir({'HOME': '/h', 'XDG_CACHE_HOME': 'rel'}) == \
+      Path('/h/.cache/ik_gat_jax/jax')
+  assert compile_cache.disabled({compile_cache.ENV_OFF: '1'})
+  assert not compile_cache.disabled({compile_cache.ENV_OFF: '0'})
+
+
+def test_importing_the_library_changes_nothing(tmp_path):
+  code = ('import jax, ik_gat_jax.solve, ik_gat_jax.cli; '
+          'print(jax.config.jax_compilation_cache_dir)')
+  done = subprocess.run([sys.executable, '-c', code], cwd=REPO, env=_env(tmp_path / 'home'),
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.strip() == 'None'
+  assert not (tmp_path / 'home').exists()
+
+
+def test_atomic_put_writes_whole_entries_once(tmp_path):
+  cache = compile_cache._atomic_cache_class()(str(tmp_path), max_size=-1)
+  cache.put('k', b'first')
+  cache.put('k', b'second')  # an existing entry is kept, as JAX's own put does
+  assert cache.get('k') == b'first'
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['k-cache']  # no temp file left
+
+
+_HITS = """
+import jax, jax.numpy as jnp
+from jax import monitoring
+from ik_gat_jax import compile_cache
+events = []
+monitoring.register_event_listener(lambda name, **kw: events.append(name))
+compile_cache.enable()
+assert compile_cache.status()['atomic_writes'], compile_cache.status()
+jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(5)).block_until_ready()
+print(sum(e.endswith('/cache_hits') for e in events),
+      sum(e.endswith('/cache_misses') for e in events))
+"""
+
+
+def test_enable_gives_hits_in_the_next_process(tmp_path):
+  """The atomic cache is installed, and a new process reads what the last one wrote."""
+  env = _env(tmp_path / 'home')
+  run = lambda: subprocess.run([sys.executable, '-c', _HITS], cwd=REPO, env=env,
+                               capture_output=True, text=True, timeout=300)
+  first, second = run(), run()
+  assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+  hits, misses = map(int, first.stdout.split())
+  assert hits == 0 and misses > 0
+  hits, misses = map(int, second.stdout.split())
+  assert hits > 0 and misses == 0
+
+
+def test_second_run_is_a_cache_hit(tiny_npz, tmp_path):
+  home = tmp_path / 'home'
+  cache = home / '.cache' / 'ik_gat_jax' / 'jax'
+  env = _env(home)
+  _solve(tiny_npz, tmp_path / 'a.npz', env)
+  first = _entries(cache)
+  assert first, f'nothing written under {cache}'
+  assert any(name.startswith('jit_forward') for name in first), sorted(first)
+  _solve(tiny_npz, tmp_path / 'b.npz', env)
+  assert _entries(cache) == first  # every compilation of the second run came from the cache
+  assert not [p for p in cache.iterdir() if p.name.endswith('.tmp')]
+  a, b = np.load(tmp_path / 'a.npz'), np.load(tmp_path / 'b.npz')
+  np.testing.assert_array_equal(a['local_rot'], b['local_rot'])
+
+
+def test_xdg_cache_home_and_concurrent_runs(tiny_npz, tmp_path):
+  xdg = tmp_path / 'xdg'
+  cache = xdg / 'ik_gat_jax' / 'jax'
+  env = _env(tmp_path / 'home', XDG_CACHE_HOME=str(xdg))
+  procs = [subprocess.Popen(_solve_cmd(tiny_npz, tmp_path / f'c{i}.npz'), cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  for p in procs:
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-2000:]
+    assert _BAD_ENTRY not in err, err[-2000:]
+  entries = _entries(cache)
+  assert entries and not [p for p in cache.iterdir() if p.name.endswith('.tmp')]
+  assert not (tmp_path / 'home' / '.cache').exists()
+  _solve(tiny_npz, tmp_path / 'd.npz', env)  # every entry the two wrote reads back whole
+  assert _entries(cache) == entries
+
+
+def test_env_var_turns_it_off(tiny_npz, tmp_path):
+  home = tmp_path / 'home'
+  _solve(tiny_npz, tmp_path / 'a.npz', _env(home, **{compile_cache.ENV_OFF: '1'}))
+  assert not (home / '.cache').exists()
