@@ -10,20 +10,13 @@ import pytest
 from flax import nnx
 from scipy.spatial.transform import Rotation as SciRot
 
-from ik_gat_jax import kinematics, model, skeleton, train
+from ik_gat_jax import model, skeleton, train
+# Shared helpers (tests/ is on sys.path): FK of random local rotations, a random 6D output
+# layer (predicted directions differ from observed ones), rotation-matrix checks.
+from model_test import _assert_rotations, _positions, _randomize_head
 
 RIG = skeleton.cmu_body()
 J = RIG.num_joints
-
-
-def _positions(rig, n, seed):
-  """`[n, J, 3]` world positions: FK of random moderate local rotations on the template, moved."""
-  rng = np.random.default_rng(seed)
-  local = SciRot.from_rotvec(rng.normal(scale=0.4, size=(n * rig.num_joints, 3))).as_matrix()
-  local = jnp.asarray(local.reshape(n, rig.num_joints, 3, 3), jnp.float32)
-  _, p = kinematics.forward_kinematics(local, jnp.asarray(rig.template(), jnp.float32),
-                                       rig.parents, root_pos=jnp.asarray(rng.normal(size=(n, 3))))
-  return p
 
 
 X = _positions(RIG, 4, 0)
@@ -33,26 +26,11 @@ def _cfg(**kw):
   return model.ModelConfig(size='tiny', **kw)
 
 
-def _randomize_head(m, scale=0.5, seed=1):
-  """A random 6D output layer, so predicted directions differ from the observed ones."""
-  out = m.backbone.head_out if hasattr(m.backbone, 'head_out') else m.backbone.out
-  out.kernel[...] = scale * jax.random.normal(jax.random.key(seed), out.kernel[...].shape)
-  return m
-
-
 def _set_blend(m, bias):
   """Forces w = sigmoid(bias) everywhere (zero kernel)."""
   m.backbone.extra_out.kernel[...] = jnp.zeros_like(m.backbone.extra_out.kernel[...])
   m.backbone.extra_out.bias[...] = jnp.full_like(m.backbone.extra_out.bias[...], bias)
   return m
-
-
-def _assert_rotations(R, atol=1e-4):
-  R = np.asarray(R)
-  assert np.isfinite(R).all()
-  np.testing.assert_allclose(np.swapaxes(R, -1, -2) @ R, np.broadcast_to(np.eye(3), R.shape),
-                             atol=atol)
-  np.testing.assert_allclose(np.linalg.det(R), 1.0, atol=atol)
 
 
 BLEND = dict(observed_direction_head=True, observed_direction_blend=True)
