@@ -274,7 +274,7 @@ def report(root: Path, data_dir: str, split: str) -> None:
     print(f'{row.name}: local {r["local_rot_err_deg"]:.2f} deg, MPJPE {r["mpjpe_mm"]:.2f} mm, '
           f'{results[row.name]["forward_frames_per_s"]:,.0f} frames/s', flush=True)
     atomic.write_json(results_path, results)
-  (root / 'tables.md').write_text(tables_markdown(results))
+  atomic.write_text(root / 'tables.md', tables_markdown(results))
   print(f'wrote {results_path} and {root / "tables.md"}')
 
 

@@ -6,7 +6,6 @@ Prints, per subject, the largest angle (degrees) between its rest bone frames B 
 template's over all joints (and which joint), and writes `rest_<subject>.png` per subject.
 """
 
-import json
 from pathlib import Path
 
 from absl import app, flags
@@ -14,6 +13,7 @@ import numpy as np
 
 from experiments.common import fail_on_user_error
 from ik_gat_jax import bone_frames, data, plots
+from ik_gat_jax.io import atomic
 
 _DATA = flags.DEFINE_string('data', None, 'Shard directory.')
 _OUT = flags.DEFINE_string('output_dir', 'outputs/bone_frames', 'Where the PNGs go.')
@@ -55,7 +55,7 @@ def main(argv):
                                 title=f"subject {r['subject']}: rest pose and bone frames "
                                       '(x=bone red, y green, z blue)')
   plots.plot_rest_bone_frames(ds.rig.template(), ds.rig, out / 'rest_template.png')
-  (out / 'report.json').write_text(json.dumps(rows, indent=1))
+  atomic.write_json(out / 'report.json', rows)
   print(f'wrote {out}/rest_*.png and report.json')
 
 

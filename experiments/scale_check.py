@@ -39,6 +39,7 @@ from experiments.configs import test as test_config
 from ik_gat_jax import checkpointing, data, inference
 from ik_gat_jax import input_pipeline as ip
 from ik_gat_jax import train
+from ik_gat_jax.io import atomic
 
 _DATA = flags.DEFINE_string('data', None, 'Shard directory with a train split.')
 _CPU_DEVICES = flags.DEFINE_integer('cpu_devices', 0, 'Simulate this many CPU devices (0: the '
@@ -256,7 +257,7 @@ def main(argv):
       shutil.rmtree(workdir, ignore_errors=True)
   text = json.dumps(result)
   if _JSON.value:
-    Path(_JSON.value).write_text(text)
+    atomic.write_text(_JSON.value, text)
   print(text)
   sys.exit(0 if result['ok'] else 1)
 

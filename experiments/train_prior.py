@@ -7,7 +7,6 @@ Rerunning with the same --workdir resumes. At the end it reports val reconstruct
 active latent dimensions and sample realism, printed and in WORKDIR/prior_report.json.
 """
 
-import json
 from pathlib import Path
 import sys
 
@@ -16,6 +15,7 @@ from ml_collections import config_flags
 
 from experiments.common import fail_on_user_error
 from ik_gat_jax import data, inference, prior_task, train
+from ik_gat_jax.io import atomic
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'experiments/configs/prior.py',
                                           'Prior config file.', lock_config=False)
@@ -47,7 +47,7 @@ def main(argv):
         f"active latent dims {report['active_dims']}/{report['latent']}; nearest training pose "
         f"from 1000 samples {report['sample_to_nearest_train_deg']:.2f} deg vs from val poses "
         f"{report['val_to_nearest_train_deg']:.2f} deg")
-  (Path(_WORKDIR.value) / 'prior_report.json').write_text(json.dumps(report, indent=1))
+  atomic.write_json(Path(_WORKDIR.value) / 'prior_report.json', report)
 
 
 if __name__ == '__main__':

@@ -393,7 +393,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
               'processes': jax.process_count()}
   if chief:
     atomic.write_json(workdir / 'run.json', {**manifest, 'step': int(state['step'])})
-    (workdir / 'config.json').write_text(json.dumps(config.to_dict(), indent=1))
+    atomic.write_json(workdir / 'config.json', config.to_dict())
 
   train_step = make_train_step(task, graphdef, config, rig, mesh)
   predict = make_predict(task, graphdef, config, rig, mesh)
