@@ -56,14 +56,25 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+from pathlib import Path
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Callable
 
+from absl import app, flags
+from flax import nnx
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from experiments.benchmark_suite import matmul_gflops
+from experiments.configs import default as default_config
+from ik_gat_jax import bone_frames, compile_cache, evaluation, inference, kinematics
+from ik_gat_jax import model as model_lib
+from ik_gat_jax import provenance, rotations, skeleton, train
+from ik_gat_jax.io import atomic
 
 REPO = Path(__file__).resolve().parents[1]
 # Share of the time left that each section gets when it starts (renormalised over the sections
@@ -338,7 +349,6 @@ def run_torch(rig, dims, rest: np.ndarray, max_batch: int, seconds: float,
 
 
 def device_info() -> dict:
-  import jax
   devs = jax.devices()
   info = {'backend': jax.default_backend(), 'devices': [str(d) for d in devs],
           'device_count': len(devs), 'device_kind': devs[0].device_kind,
@@ -369,10 +379,7 @@ def device_info() -> dict:
 
 def build_model(o: Options, rig):
   """(model, source): the shipped checkpoint for base on cmu_body, else a fresh init."""
-  from flax import nnx
 
-  from ik_gat_jax import inference
-  from ik_gat_jax import model as model_lib
   if o.size == 'base' and rig.name == 'cmu_body' and inference.SHIPPED_IKGAT.is_dir():
     model, _ = inference.load_model(inference.SHIPPED_IKGAT)
     return model, str(inference.SHIPPED_IKGAT.relative_to(REPO))
@@ -381,10 +388,7 @@ def build_model(o: Options, rig):
 
 
 def inference_section(model, rig, dtype: str, o: Options, seconds: float) -> dict:
-  import jax
-  import jax.numpy as jnp
 
-  from ik_gat_jax import bone_frames, evaluation, inference, skeleton
   net = evaluation.cast_floating(model, dtype)
   B = bone_frames.bone_frames(jnp.asarray(rig.template(), jnp.float32), rig)[None]
   rest = skeleton.rest_positions_np(rig.template(), rig.parents)
@@ -424,10 +428,7 @@ def _flops(compiled) -> float | None:
 def synthetic_batch(rig, b: int, seed: int = 0) -> dict[str, np.ndarray]:
   """A batch with `input_pipeline.gather_batch`'s keys: the template's offsets, random local
   rotations (axis-angle ~ N(0, 0.4 rad) per axis), positions by FK, the template's bone frames."""
-  import jax
-  import jax.numpy as jnp
 
-  from ik_gat_jax import bone_frames, kinematics, rotations
   k1, k2 = jax.random.split(jax.random.key(seed))
   offsets = jnp.broadcast_to(jnp.asarray(rig.template(), jnp.float32), (b, rig.num_joints, 3))
   local = rotations.matrix_from_axis_angle(0.4 * jax.random.normal(k1, (b, rig.num_joints, 3)))
@@ -440,10 +441,7 @@ def synthetic_batch(rig, b: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def training_section(rig, o: Options, seconds: float) -> dict:
-  import jax
 
-  from experiments.configs import default as default_config
-  from ik_gat_jax import inference, train
   config = default_config.get_config()
   config.model.size = o.size
   mesh = train.make_mesh()
@@ -475,7 +473,6 @@ def training_section(rig, o: Options, seconds: float) -> dict:
 
 
 def matmul_section(o: Options, backend: str) -> dict:
-  from experiments.benchmark_suite import matmul_gflops
   n = 256 if o.tiny else (8192 if backend != 'cpu' else 2048)
   out = {}
   for dtype in ('float32', 'bfloat16'):
@@ -497,13 +494,8 @@ def _ratios(a: dict, b: dict, key: str = 'frames_per_s') -> list[dict]:
 def run(o: Options, log: Callable[[str], None] = print) -> dict:
   """Runs every section; writes and returns the JSON."""
   t0 = time.monotonic()
-  from ik_gat_jax import compile_cache
   compile_cache.enable()  # a rerun on the same machine skips compiling
-  import jax
 
-  from ik_gat_jax import model as model_lib
-  from ik_gat_jax import provenance, skeleton
-  from ik_gat_jax.io import atomic
   rig = skeleton.get_rig(o.rig)
   size = 'tiny' if o.tiny and o.size == 'base' else o.size
   dims = model_lib.ModelConfig(size=size).dims
@@ -528,7 +520,6 @@ def run(o: Options, log: Callable[[str], None] = print) -> dict:
       'compile_cache': compile_cache.status()}
   log(f'{result["device"]["backend"]}: {result["device"]["devices"]}')
   model, source = build_model(o, rig)
-  from flax import nnx
   params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
   result['model'] = {'size': o.size, 'rig': rig.name, 'source': source, 'params': params,
                      'dims': list(model.config.dims), 'output_space': model.config.output_space}
@@ -595,7 +586,6 @@ def table(r: dict) -> str:
 
 
 def define_flags() -> None:
-  from absl import flags
   flags.DEFINE_string('output_json', Options.output_json, 'Where the JSON goes.')
   flags.DEFINE_string('size', 'base', 'Model size (tiny, small, base, large).')
   flags.DEFINE_string('rig', 'cmu_body', 'Built-in rig (cmu_body, smpl22).')
@@ -612,7 +602,6 @@ def define_flags() -> None:
 
 
 def main(argv) -> None:
-  from absl import flags
   if len(argv) > 1:
     raise SystemExit(f'error: unexpected arguments {argv[1:]}')
   F = flags.FLAGS
@@ -628,6 +617,5 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  from absl import app
   define_flags()
   app.run(main)

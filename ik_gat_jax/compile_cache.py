@@ -29,6 +29,10 @@ import os
 from pathlib import Path
 from typing import Mapping
 
+import jax
+
+from ik_gat_jax.io import atomic
+
 ENV_OFF = 'IK_GAT_NO_COMPILE_CACHE'
 # Cache every compilation: a solve writes about 50 entries (0.4 MB, mostly small eager ops that
 # would otherwise be recompiled every run), and with a threshold a compilation near it would be
@@ -56,7 +60,6 @@ def enable(environ: Mapping[str, str] = os.environ) -> Path | None:
   Returns the cache directory in effect (the user's own, or the default), None when off.
   """
   global _status
-  import jax
   if disabled(environ):
     _status = {'enabled': False, 'reason': f'{ENV_OFF}={environ.get(ENV_OFF)}'}
     return None
@@ -87,7 +90,7 @@ def _install_atomic_cache(path: Path) -> bool:
   """Makes JAX use `_AtomicFileCache` at `path`; False (JAX's own cache) where JAX's internals
   are not those of 0.10.2 or the cache was already initialised."""
   try:
-    from jax._src import compilation_cache as cc
+    from jax._src import compilation_cache as cc  # internals: guarded (falls back to JAX's)
     cls = _atomic_cache_class()
     if cc._cache is not None or cc._cache_initialized:
       return False
@@ -103,14 +106,11 @@ def _install_atomic_cache(path: Path) -> bool:
 
 
 def _config(name: str):
-  import jax
   return jax.config.values.get(name)
 
 
 def _atomic_cache_class():
-  from jax._src import lru_cache
-
-  from ik_gat_jax.io import atomic
+  from jax._src import lru_cache  # JAX internals: only under _install_atomic_cache's guard
 
   class _AtomicFileCache(lru_cache.LRUCache):
     """JAX's file cache without eviction, each entry written to a temp file and renamed."""
