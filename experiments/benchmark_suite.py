@@ -404,9 +404,9 @@ def cold_core(rig: Rig, config: iterative_ik.SolverConfig,
 
   def solve_prior(p, o, analytic, yaw, params):
     # iterative_ik.solve_latent takes no initial root (yet): its cold driver, with ours.
-    params0 = {'z': jnp.zeros(p.shape[:-2] + (prior.latent,), p.dtype),
-               'root': rotations.sixd_from_matrix(root0(p, o, analytic, yaw))}
-    problem = iterative_ik._latent_problem(prior.decode, params, config)  # noqa: SLF001
+    params0 = iterative_ik.latent_params(root0(p, o, analytic, yaw), o, rig, prior.decode,
+                                         prior.latent)
+    problem = iterative_ik._latent_problem(prior.decode, params, rig, config)  # noqa: SLF001
     return iterative_ik._solve_cold(problem, params0, p, o, rig, config)[0]  # noqa: SLF001
 
   if prior is None:

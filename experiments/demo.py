@@ -8,8 +8,11 @@
 - Solves it with the shipped IK-GAT (checkpoints/ikgat_base), the iterative solver with the
   shipped prior (cold and warm start), and swing-only IK; prints errors and frames/s side by side
   (DESIGN section 7 metrics against the clip's true rotations).
-- Writes the IK-GAT solution as BVH (playable in Blender; cm), a PNG of input joints vs solved
-  skeleton for a few frames, and a short GIF, under --output_dir.
+- Writes under --output_dir the IK-GAT solution as BVH (cm) and GLB (glTF 2.0 binary with the
+  box body; both open in Blender), a PNG of frames 0, 30, 60 and a GIF of a few frames: the
+  box body of io/gltf.py posed by the ground truth, IK-GAT and the cold iterative solver side
+  by side, each box coloured by its joint's local rotation error (degrees), so a twisted
+  forearm shows.
 """
 
 from pathlib import Path
@@ -22,12 +25,12 @@ import numpy as np
 
 from data_prep import conversion
 from experiments.common import fail_on_user_error
-from ik_gat_jax import (bone_frames, checkpointing, data, evaluation, inference, iterative_ik,
-                        kinematics, prior_task, rotations, skeleton, solve)
+from ik_gat_jax import (bone_frames, checkpointing, data, evaluation, inference, input_pipeline,
+                        iterative_ik, kinematics, plots, prior_task, rotations, skeleton, solve)
 
 CMU_DIR = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'cmu'
 _INPUT = flags.DEFINE_string('input', None, 'A BVH clip (cmu_body joint map); default: CMU 07_05.')
-_OUT = flags.DEFINE_string('output_dir', 'outputs/demo', 'Where the BVH, PNG and GIF go.')
+_OUT = flags.DEFINE_string('output_dir', 'outputs/demo', 'Where the BVH, GLB, PNG and GIF go.')
 _ITERS = flags.DEFINE_integer('iters', 100, 'Iterations of the iterative solver (cold start).')
 _FRAMES = flags.DEFINE_integer('synthetic_frames', 240, 'Frames of generated motion (no data).')
 
@@ -46,13 +49,13 @@ def synthetic_dataset(n: int, seed: int = 0):
   t = np.linspace(0, len(keys) - 1.001, n)
   i, f = t.astype(int), (t % 1)[:, None]
   z = (1 - f) * keys[i] + f * keys[i + 1]
-  local = np.asarray(prior.decode(jnp.asarray(z)))
+  off = rig.template().astype(np.float32)
+  B = np.asarray(bone_frames.bone_frames(jnp.asarray(off), rig))[None]
+  local = np.asarray(prior.decode(jnp.asarray(z), jnp.asarray(B)))  # B: a bone-chart prior's
   yaw = rotations.axis_rotation('y', jnp.linspace(0, np.pi, n))
   local = np.concatenate([np.asarray(yaw)[:, None], local], axis=1).astype(np.float32)
-  off = rig.template().astype(np.float32)
   root = np.stack([np.linspace(0, 1, n), np.full(n, 0.95), np.zeros(n)], -1).astype(np.float32)
   G, p = kinematics.forward_kinematics(jnp.asarray(local), jnp.asarray(off), rig.parents, root)
-  B = np.asarray(bone_frames.bone_frames(jnp.asarray(off), rig))[None]
   zeros = np.zeros(n, np.int32)
   return data.Dataset(
       path=Path('synthetic'), split='all', rig=rig, positions=np.asarray(p), local_rot=local,
@@ -66,7 +69,8 @@ def prior_task_rig(path):
   return skeleton.Rig.from_json(meta['rig'])
 
 
-def compare(ds, iters: int) -> list[dict]:
+def compare(ds, iters: int) -> tuple[list[dict], list]:
+  """The result rows and the methods (IK-GAT, cold iterative, warm iterative, swing)."""
   solver = iterative_ik.SolverConfig(iters=iters)
   methods = [('IK-GAT (base)', evaluation.make_method('ikgat', ds.rig)),
              (f'iterative + prior, {iters} it, cold',
@@ -78,7 +82,26 @@ def compare(ds, iters: int) -> list[dict]:
   for label, m in methods:
     print(f'solving with {label} ...', flush=True)
     rows.append({'label': label, **evaluation.evaluate(m, ds, ds.rig)})
-  return rows
+  return rows, [m for _, m in methods]
+
+
+def posed_bodies(ds, rows: list[dict], methods: list) -> list:
+  """`plots.Body` of the ground truth, IK-GAT and the cold iterative solver over the whole clip:
+  world rotations and FK positions (each method's local rotations on the clip's offsets, from
+  the true root position), per-joint local rotation error in degrees."""
+  batch = input_pipeline.gather_batch(ds, np.arange(len(ds.positions)))
+  true_local = jnp.asarray(batch['local_rot'])
+  offsets, root = jnp.asarray(batch['offsets']), jnp.asarray(batch['positions'][:, 0])
+  G, p = kinematics.forward_kinematics(true_local, offsets, ds.rig.parents, root)
+  bodies = [plots.Body('ground truth', np.asarray(G), np.asarray(p))]
+  for row, method in zip(rows[:2], methods[:2]):
+    local, _, _ = evaluation.run_chunked(method.solve, batch['positions'], batch['offsets'],
+                                         method.chunk)  # the shapes evaluate compiled
+    G, p = kinematics.forward_kinematics(jnp.asarray(local), offsets, ds.rig.parents, root)
+    err = np.degrees(np.asarray(rotations.geodesic_angle(jnp.asarray(local), true_local)))
+    label = f"{row['label']}: clip mean {row['local_rot_err_deg']:.1f} deg"
+    bodies.append(plots.Body(label, np.asarray(G), np.asarray(p), err))
+  return bodies
 
 
 def print_table(rows: list[dict]) -> None:
@@ -116,16 +139,27 @@ def main(argv):
       np.savez(solve_input, positions=np.asarray(ds.positions),
                joint_names=np.asarray(ds.rig.joint_names))
     print(f'{len(ds.positions)} frames, rig {ds.rig.name}')
-    print_table(compare(ds, _ITERS.value))
+    rows, methods = compare(ds, _ITERS.value)
+    print_table(rows)
     stem = src.stem if src.exists() else 'synthetic'
-    summary = solve.solve_file(
-        solve_input, out / f'{stem}_ikgat.bvh', overwrite=True,
-        plot=str(out / f'{stem}_frames.png'), plot_frames='0,30,60',
-        clip=str(out / f'{stem}_clip.gif'), clip_frames='0:90:3',
-        offsets_from=str(src) if src.exists() else None, log=lambda m: None)
-  print(f"\nwrote {out / f'{stem}_ikgat.bvh'} (IK-GAT solution, cm), "
-        f"{out / f'{stem}_frames.png'}, {out / f'{stem}_clip.gif'}")
-  del summary
+    paths = [out / f'{stem}_ikgat.{ext}' for ext in ('bvh', 'glb')]
+    for path in paths:
+      solve.solve_file(solve_input, path, overwrite=True,
+                       offsets_from=str(src) if src.exists() else None, log=lambda m: None)
+    write_pictures(out, stem, ds, posed_bodies(ds, rows, methods))  # ds lives in tmp
+  print(f"\nwrote {paths[0]} (IK-GAT solution, cm), {paths[1]} (the same as glTF with the box "
+        f"body), {out / f'{stem}_frames.png'} and {out / f'{stem}_clip.gif'} (box bodies "
+        'coloured by local rotation error)')
+
+
+def write_pictures(out: Path, stem: str, ds, bodies: list) -> None:
+  """The PNG (frames 0, 30, 60) and the GIF (every 6th frame of the first 90)."""
+  T = len(ds.positions)
+  offsets = np.asarray(ds.offsets[int(ds.subject_id[0])])
+  shown = sorted({min(t, T - 1) for t in (0, 30, 60)})
+  plots.plot_error_bodies(out / f'{stem}_frames.png', offsets, ds.rig, bodies, shown)
+  plots.save_error_bodies_clip(out / f'{stem}_clip.gif', offsets, ds.rig, bodies,
+                               range(0, min(T, 90), 6), fps=float(ds.fps))
 
 
 if __name__ == '__main__':

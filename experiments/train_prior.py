@@ -14,7 +14,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments.common import fail_on_user_error
-from ik_gat_jax import data, inference, prior_task, train
+from ik_gat_jax import data, inference, prior_task, train, vposer
 from ik_gat_jax.io import atomic
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'experiments/configs/prior.py',
@@ -32,8 +32,9 @@ def main(argv):
   if _STEPS.value is not None:
     config.train.steps = _STEPS.value
   train_data = data.load_shards(config.data, 'train')
-  if not config.prior_stats:
-    config.prior_stats = prior_task.standardization_config(train_data)
+  if not config.prior_stats:  # in the prior's chart (VAEConfig.bone_chart)
+    config.prior_stats = prior_task.standardization_config(
+        train_data, vposer.VAEConfig.from_dict(config.model).bone_chart)
   try:
     train.train_and_evaluate(config, _WORKDIR.value, task=prior_task.PRIOR_TASK)
   except KeyboardInterrupt:

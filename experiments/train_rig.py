@@ -54,7 +54,7 @@ from experiments.common import fail_on_user_error
 from experiments.configs import default as default_config
 from experiments.configs import prior as prior_config
 from ik_gat_jax import checkpointing, data, evaluation, inference, iterative_ik, prior_task
-from ik_gat_jax import provenance, train
+from ik_gat_jax import provenance, train, vposer
 from ik_gat_jax.io import atomic, retarget
 
 CONFIG_DIR = Path(__file__).resolve().parent / 'configs'
@@ -459,7 +459,8 @@ def _run_stages(o: Options, w: Path, m: Manifest, log: Log) -> dict:
         f'active latent dims {report["active_dims"]}/{report["latent"]}')
 
   if not p.get('prior_stats'):
-    p.prior_stats = prior_task.standardization_config(data.load_shards(p.data, 'train'))
+    p.prior_stats = prior_task.standardization_config(
+        data.load_shards(p.data, 'train'), vposer.VAEConfig.from_dict(p.model).bone_chart)
   _train('prior', p, w / 'prior', m, log, tag(3), task=prior_task.PRIOR_TASK,
          after=prior_report, extra_done=w / 'prior' / 'prior_report.json')
   results = _evaluate(o, w, m, log, tag(4))

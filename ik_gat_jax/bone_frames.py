@@ -94,3 +94,28 @@ def local_from_q(Q: jax.Array, B: jax.Array, rig: Rig) -> jax.Array:
 def q_from_local(local_rot: jax.Array, B: jax.Array, rig: Rig) -> jax.Array:
   """Local rotations `[..., J, 3, 3]` -> bone-aligned world rotations."""
   return q_from_global(kinematics.local_to_global(local_rot, rig.parents), B)
+
+
+def bone_chart(R: jax.Array, B: jax.Array, parents: tuple[int, ...],
+               joints: tuple[int, ...] | range | None = None, inverse: bool = False) -> jax.Array:
+  """Local rotations `R: [..., J, 3, 3]` <-> their bone-frame chart `L_j = B_p^T R_j B_j`
+  (root: `L = R B_root`), for `joints` (default all; the others are returned unchanged).
+
+  `B: [..., J, 3, 3]` the subject's rest bone frames (`bone_frames`), broadcast against `R`;
+  `parents` the rig's (static). Re-rigging by binds A gives `R' = A_p^T R A_j` and
+  `B' = A^T B`, so `L' = L`: the chart means the same pose on every rig, and so does its
+  identity, `L = I` (joint j's bone frame aligned with its parent's). `inverse`: L -> R,
+  `R = B_p L B_j^T`. The one implementation: the IK-GAT's outputs (`model.to_local`), the pose
+  prior and the iterative solvers all use it.
+  """
+  shape = jnp.broadcast_shapes(R.shape, B.shape)
+  R, B = jnp.broadcast_to(R, shape), jnp.broadcast_to(B, shape)
+  out = [R[..., j, :, :] for j in range(R.shape[-3])]
+  for j in range(R.shape[-3]) if joints is None else joints:
+    p = parents[j]
+    left = jnp.eye(3, dtype=R.dtype) if p < 0 else B[..., p, :, :]
+    if inverse:  # R = B_p L B_j^T
+      out[j] = left @ R[..., j, :, :] @ jnp.swapaxes(B[..., j, :, :], -1, -2)
+    else:
+      out[j] = jnp.swapaxes(left, -1, -2) @ R[..., j, :, :] @ B[..., j, :, :]
+  return jnp.stack(out, axis=-3)

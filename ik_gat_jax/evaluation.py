@@ -37,6 +37,7 @@ from ik_gat_jax import provenance
 from ik_gat_jax import temporal
 from ik_gat_jax import trackers
 from ik_gat_jax import vposer
+from ik_gat_jax import windows
 from ik_gat_jax.skeleton import Rig
 
 METHODS = ('ikgat', 'iterative', 'iterative_noprior', 'swing', 'mean_pose')
@@ -147,12 +148,17 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
   noisy = add_noise(batch['positions'], noise_mm, seed)
   sparse = sparse or SparseInputs()
   noisy, extras, sparse_info = sparse_inputs(sparse, method, noisy, data, idx, rig)
+  frame_index = np.asarray(data.frame_index[idx])
+  k = int(method.info.get('input_window', 1))
+  if k > 1:  # issue K: each frame with its past frames, from the same noisy frames (windows.py)
+    i0, i1, w = windows.history_sources(np.arange(len(idx)), windows.run_starts(
+        file_ids, frame_index), k, data.fps / float(method.info['input_window_fps']))
+    noisy = np.concatenate([windows.interpolate(noisy, i0, i1, w), noisy[:, None]], axis=1)
   if method.clip_solve is not None:
     pred, seconds, compile_s = run_clips(method, noisy, batch['offsets'], file_ids)
   else:
     pred, seconds, compile_s = run_chunked(method.solve, noisy, batch['offsets'], method.chunk,
                                            extras)
-  frame_index = np.asarray(data.frame_index[idx])
   temporal_filter = temporal_filter or temporal.FilterConfig()
   if temporal_filter.active:
     filt = lambda: temporal.filter_clips(pred, file_ids, temporal_filter, data.fps, frame_index)
@@ -262,6 +268,10 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
                  refine: iterative_ik.SolverConfig | None = None) -> Method:
   """IK-GAT from a run or checkpoint directory (default: the shipped one).
 
+  A window model (issue K; `info['input_window']` k > 1) takes positions `[N, k, J, 3]`, each
+  frame's past frames then itself (`evaluate` builds them per clip); given `[N, J, 3]` it reads
+  every frame as the first of a stream (its past frames copies of it).
+
   `dtype` 'bfloat16' runs the network in bfloat16 (parameters and input positions cast; the
   rest pose's bone frames stay float32, so conversions to local rotations promote to float32).
   """
@@ -270,11 +280,18 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
   model = cast_floating(model, dtype)
   B_of = _bone_frames_fn(rig)
 
+  window = model.config.window
+
   @jax.jit
   def solve(positions, offsets, orientations=None, orientation_mask=None, end_sites=None,
             end_site_mask=None):
-    batch = {'positions': positions.astype(dtype), 'bone_frames': B_of(offsets),
-             'offsets': offsets}
+    batch = {'bone_frames': B_of(offsets), 'offsets': offsets}
+    if window > 1 and positions.ndim == 4:  # [N, k, J, 3]: the past frames, then the current
+      batch['history'] = positions[:, :-1].astype(dtype)
+      positions = positions[:, -1]
+    elif window > 1:  # [N, J, 3] alone (the benchmark's timing): each frame starts a stream
+      batch['history'] = jnp.repeat(positions[:, None], window - 1, axis=1).astype(dtype)
+    batch['positions'] = positions.astype(dtype)
     if model.config.joint_mask:  # NaN joints are missing (sparse evaluation, issue G2)
       batch['joint_mask'] = jnp.all(jnp.isfinite(positions), axis=-1)
     if orientations is not None and orientations.shape[-1]:  # width 0: a placeholder
@@ -284,7 +301,8 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
     return inference.ikgat_infer(model, batch, refine=refine).astype(jnp.float32)
 
   info = {'checkpoint': str(path), 'model': meta['config']['model'],
-          'trained_steps': meta.get('step'), 'dtype': dtype,
+          'trained_steps': meta.get('step'), 'dtype': dtype, 'input_window': window,
+          'input_window_fps': model.config.window_fps,
           'temporal': temporal.from_checkpoint_meta(meta).to_dict(),  # the checkpoint's filter
           'sparse_inputs': {'joint_mask': model.config.joint_mask and refine is None,
                             'orientation_inputs': list(model.config.orientation_inputs),
@@ -349,6 +367,7 @@ def iterative_method(rig: Rig, config: iterative_ik.SolverConfig, prior_dir: str
     prior = loaded_prior or load_prior(prior_dir, rig)
     d, params, latent = prior.decode, prior.params, prior.latent
     info['prior'] = str(prior.path)
+    info['prior_bone_chart'] = bool(d.bone_chart)  # rig-invariant prior (issue L)
     cold = lambda p, o: iterative_ik.solve_latent_jit(p, o, d, params, rig, config, latent)[0]
     warm = lambda p, o: iterative_ik.solve_latent_warm_jit(p, o, d, params, rig, config,
                                                             latent)[0]

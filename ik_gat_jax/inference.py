@@ -70,18 +70,28 @@ def _ikgat_build(config, rig: Rig, rngs: nnx.Rngs, train_data) -> nnx.Module:
 
 
 def _ikgat_loss(model, batch, key, config, rig):
-  batch = input_pipeline.augment(batch, key, config.augment, rig)
+  if model.config.window > 1:  # issue K: windows of k frames, one body and tracker per window
+    batch = input_pipeline.augment_windows(batch, key, config.augment, rig)
+  else:
+    batch = input_pipeline.augment(batch, key, config.augment, rig)
   pred = model(batch['input_positions'], deterministic=False,
                **model_lib.extra_inputs(batch, model.config))
   return losses.ikgat_loss(pred, batch, rig, model.config.output_space, config.loss.alpha,
                            model.config.bone_chart)
 
 
+def window_of(config) -> int:
+  """The input window (frames) of a run config's model: 1 for a per-frame model or a task
+  without one."""
+  model = config.get('model') if hasattr(config, 'get') else None
+  return int(model.get('window', 1)) if model is not None else 1
+
+
 def ikgat_infer(model, batch, config=None, rig=None,
                 refine: iterative_ik.SolverConfig | None = None) -> jax.Array:
   """The one IK-GAT forward: deterministic, to local rotations `[B, J, 3, 3]` (batch:
   positions, bone_frames; optional joint_mask, orientations, orientation_mask, end_sites,
-  end_site_mask where the model takes them). `refine` (amortized + refine, G1) adds that many
+  end_site_mask where the model takes them; a window model's history `[B, k-1, J, 3]`). `refine` (amortized + refine, G1) adds that many
   anchored iterations of the rotation solver from the network's output; it needs
   `batch['offsets'] [B or 1, J, 3]` and every joint."""
   del config
@@ -100,7 +110,8 @@ def ikgat_infer(model, batch, config=None, rig=None,
 def validate_local_rotations(predict, data, config, rig: Rig) -> dict:
   """Metrics of predicted local rotations on (a fixed subset of) `data`; flat dict of floats."""
   idx = eval_indices(len(data.positions), config.train.val_frames)
-  batch = input_pipeline.gather_batch(data, idx)
+  batch = input_pipeline.gather_batch(data, idx, window=window_of(config))
+  batch.pop('history_local_rot', None)
   pred = predict_in_chunks(predict, batch, config.train.eval_batch_size)
   errors = metrics.compute_errors_batched(pred, batch['local_rot'], batch['offsets'],
                                           batch['bone_frames'], batch['positions'], rig)

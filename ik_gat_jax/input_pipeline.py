@@ -37,6 +37,7 @@ from ik_gat_jax import data as data_lib
 from ik_gat_jax import kinematics
 from ik_gat_jax import rotations
 from ik_gat_jax import trackers
+from ik_gat_jax import windows
 from ik_gat_jax.skeleton import Rig
 
 BATCH_KEYS = ('positions', 'local_rot', 'offsets', 'bone_frames')
@@ -64,13 +65,16 @@ def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
   return perm
 
 
-def gather_batch(dataset: Any, idx: np.ndarray, end_sites: bool = False
+def gather_batch(dataset: Any, idx: np.ndarray, end_sites: bool = False, window: int = 1
                  ) -> dict[str, np.ndarray]:
   """Host batch from a dataset with memory-mapped frame arrays and per-subject arrays.
 
   Indices are sorted for the memory-mapped read and the original order restored after, so a
   random batch touches each page once. `end_sites`: add the dataset's end sites (issue G2;
-  a ValueError if it has none).
+  a ValueError if it has none). `window` k > 1 (issue K): add each frame's k-1 past frames
+  (`windows.py`: oldest first, never across a file boundary or frame gap), `history [B, k-1,
+  J, 3]` and `history_local_rot [B, k-1, J, 3, 3]`; the window is k frames of the dataset's
+  own rate (a model whose window_fps differs is refused by the trainer).
   """
   order = np.argsort(idx, kind='stable')
   inverse = np.empty_like(order)
@@ -85,6 +89,17 @@ def gather_batch(dataset: Any, idx: np.ndarray, end_sites: bool = False
   }
   if end_sites:
     out['end_sites'] = np.asarray(data_lib.require_end_sites(dataset)[sidx], np.float32)[inverse]
+  if window > 1:
+    starts = windows.dataset_run_starts(dataset)
+    i0, _, _ = windows.history_sources(idx, starts[idx], window)  # whole frames: w = 0
+    flat = i0.reshape(-1)
+    order = np.argsort(flat, kind='stable')
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    read = lambda a, tail: np.asarray(a[flat[order]], np.float32)[inverse].reshape(i0.shape + tail)
+    J = dataset.positions.shape[1]
+    out['history'] = read(dataset.positions, (J, 3))
+    out['history_local_rot'] = read(dataset.local_rot, (J, 3, 3))
   return out
 
 
@@ -99,7 +114,7 @@ def process_rows(global_batch_size: int, process_index: int, process_count: int)
 
 def host_batches(dataset: Any, global_batch_size: int, seed: int, start_step: int,
                  end_step: int, process_index: int = 0, process_count: int = 1,
-                 end_sites: bool = False
+                 end_sites: bool = False, window: int = 1
                  ) -> Iterator[tuple[int, np.ndarray, dict[str, np.ndarray]]]:
   """This process's part of the batches of steps `[start_step, end_step)`, in step order.
 
@@ -109,7 +124,7 @@ def host_batches(dataset: Any, global_batch_size: int, seed: int, start_step: in
   rows = process_rows(global_batch_size, process_index, process_count)
   for step in range(start_step, end_step):
     idx = batch_indices(step, global_batch_size, len(dataset.positions), seed)[rows]
-    yield step, idx, gather_batch(dataset, idx, end_sites)
+    yield step, idx, gather_batch(dataset, idx, end_sites, window)
 
 
 _END = object()
@@ -281,8 +296,18 @@ def mirror_batch(batch: dict, flip: jax.Array, rig: Rig) -> dict:
           'bone_frames': sel(B, batch['bone_frames'])}
 
 
-def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
+def _repeat(a: jax.Array, group: int) -> jax.Array:
+  """One draw per group of `group` consecutive rows, repeated to every row of the group."""
+  return a if group == 1 else jnp.repeat(a, group, axis=0)
+
+
+def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig, group: int = 1) -> dict:
   """Applies the configured augmentations and recomputes clean positions by FK.
+
+  `group` (issue K's windows): the rows are groups of `group` consecutive frames of one sample
+  (`augment_windows`); the mirror, bone scale and yaw and the tracker noise's level and clean
+  choice are drawn once per group (one body, one tracker), the per-frame noise per row. With
+  `group=1` every draw is what it was before windows existed.
 
   `aug` fields: yaw (bool: uniform rotation about up), mirror (probability), bone_scale
   (half-width s: per-bone factors U[1-s, 1+s] shared by mirror pairs, directions kept),
@@ -301,6 +326,9 @@ def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
   """
   k_yaw, k_mir, k_scale, k_noise = jax.random.split(key, 4)
   B_ = batch['positions'].shape[0]
+  if B_ % group:
+    raise ValueError(f'augment: {B_} rows are not whole groups of {group}')
+  n = B_ // group
   changed = False
   leaves = list(rig.leaves)
   end_local = None
@@ -312,13 +340,13 @@ def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
     raise ValueError('augment.end_site_prob > 0 needs end sites in the batch: shards converted '
                      'with them (data.require_end_sites) and gather_batch(end_sites=True)')
   if aug.mirror > 0:
-    flip = jax.random.uniform(k_mir, (B_,)) < aug.mirror
+    flip = _repeat(jax.random.uniform(k_mir, (n,)) < aug.mirror, group)
     batch = mirror_batch(batch, flip, rig)
     if end_local is not None:
       end_local = jnp.where(flip[:, None, None], mirror_end_local(end_local, rig), end_local)
   if aug.bone_scale > 0:
-    u = jax.random.uniform(k_scale, (B_, rig.num_joints), minval=1 - aug.bone_scale,
-                           maxval=1 + aug.bone_scale)
+    u = _repeat(jax.random.uniform(k_scale, (n, rig.num_joints), minval=1 - aug.bone_scale,
+                                   maxval=1 + aug.bone_scale), group)
     u = u[:, np.minimum(np.arange(rig.num_joints), np.asarray(rig.mirror))]
     batch = {**batch, 'offsets': batch['offsets'] * u[..., None]}
     if end_local is not None:
@@ -326,7 +354,7 @@ def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
     changed = True
   root_pos = batch['positions'][:, 0]
   if aug.yaw:
-    angle = jax.random.uniform(k_yaw, (B_,), minval=-jnp.pi, maxval=jnp.pi)
+    angle = _repeat(jax.random.uniform(k_yaw, (n,), minval=-jnp.pi, maxval=jnp.pi), group)
     Ry = rotations.matrix_from_axis_angle(angle[:, None] * jnp.asarray(rig.up, jnp.float32))
     batch = {**batch, 'local_rot': batch['local_rot'].at[:, 0].set(Ry @ batch['local_rot'][:, 0])}
     root_pos = jnp.einsum('bij,bj->bi', Ry, root_pos)
@@ -342,7 +370,7 @@ def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
     ends = batch['positions'][:, leaves] + jnp.einsum('njab,njb->nja', G, end_local)
     present = jnp.all(jnp.isfinite(ends), axis=-1)
   # Tracker noise (issue J; `tracker_noise`): the identity, returning its inputs, when all off.
-  noisy, ends, _ = tracker_noise(key, noisy, aug, rig, ends)
+  noisy, ends, _ = tracker_noise(key, noisy, aug, rig, ends, group=group)
   if aug.noise_mm > 0:
     noisy = noisy + 1e-3 * aug.noise_mm * jax.random.normal(k_noise, noisy.shape)
   batch = {**batch, 'input_positions': noisy}
@@ -367,7 +395,8 @@ BONE_FACTOR_CLIP = (0.5, 1.5)  # bone factors are clipped here (25 std at bone_j
 
 
 def tracker_noise(key: jax.Array, positions: jax.Array, aug: Any, rig: Rig,
-                  end_sites: jax.Array | None = None, return_info: bool = False):
+                  end_sites: jax.Array | None = None, return_info: bool = False,
+                  group: int = 1):
   """Tracker-like input noise (issue J) on clean `positions [B, J, 3]` (m) and, when given,
   end sites `[B, E, 3]` of `rig.leaves` (NaN = absent, stays NaN). Returns
   `(input positions, input end sites or None, info)`; info is {} unless `return_info`.
@@ -387,6 +416,7 @@ def tracker_noise(key: jax.Array, positions: jax.Array, aug: Any, rig: Rig,
       meaning of q fixed whatever J is, and matches a tracker's occasional single jump.
     clean_frac c: that share of samples is left exactly clean by all three parts above
       (sigma 0, no jitter, no outlier), so the clean-input accuracy keeps being trained.
+  `group` (`augment`): the level and the clean choice are drawn per group of rows.
   The fixed `noise_mm` of `augment` is separate and added on top (its old draw), to every
   sample: both set give per-coordinate variance `noise_mm^2 + sigma^2`.
   info (for tests and logs): sigma_mm [B], clean [B] bool, bone_factor [B, J] (1 at the root),
@@ -407,9 +437,11 @@ def tracker_noise(key: jax.Array, positions: jax.Array, aug: Any, rig: Rig,
   if not (m > 0 or s > 0 or q > 0):
     return positions, end_sites, info
   B_, J = positions.shape[:2]
+  n = B_ // group
   dirty = jnp.ones((B_,), bool)
   if c > 0:
-    dirty = jax.random.uniform(jax.random.fold_in(key, NOISE_KEY_CLEAN), (B_,)) >= c
+    dirty = _repeat(jax.random.uniform(jax.random.fold_in(key, NOISE_KEY_CLEAN), (n,)) >= c,
+                    group)
     info['clean'] = ~dirty
   leaves = list(rig.leaves)
   x, ends = positions, end_sites
@@ -428,7 +460,7 @@ def tracker_noise(key: jax.Array, positions: jax.Array, aug: Any, rig: Rig,
       info['end_site_factor'] = fe
   if m > 0:
     k_sigma, k_joint, k_end = jax.random.split(jax.random.fold_in(key, NOISE_KEY_LEVEL), 3)
-    sigma = jnp.where(dirty, jax.random.uniform(k_sigma, (B_,), maxval=m), 0.0)
+    sigma = jnp.where(dirty, _repeat(jax.random.uniform(k_sigma, (n,), maxval=m), group), 0.0)
     x = x + 1e-3 * sigma[:, None, None] * jax.random.normal(k_joint, x.shape)
     if ends is not None:
       ends = ends + 1e-3 * sigma[:, None, None] * jax.random.normal(k_end, ends.shape)
@@ -501,3 +533,97 @@ def sample_input_masks(key: jax.Array, batch: dict, aug: Any, rig: Rig) -> dict:
     out['orientations'] = kinematics.local_to_global(batch['local_rot'], rig.parents)
     out['orientation_mask'] = jax.random.uniform(k_orient, (B_, J)) < o
   return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Windows (issue K): a sample is the current frame and its k-1 past frames.
+
+NOISE_KEY_BIAS = 0x4B01   # per-window constant offset of every joint (bias_mm)
+NOISE_KEY_HOLD = 0x4B02   # which window holds a joint, which joint, for how many frames
+NOISE_KEY_START = 0x4B03  # which windows start a stream, and how much history they keep
+
+
+def augment_windows(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
+  """`augment` for window samples: `batch` as `gather_batch(window=k)` gives it (current frame
+  `positions [B, J, 3]`, `local_rot`, ... and `history [B, k-1, J, 3]`, `history_local_rot`).
+
+  The k frames of a sample become k consecutive rows (oldest first) through
+  `augment(group=k)`: one mirror, bone scale, yaw, tracker noise level and clean choice per
+  sample, per-frame Gaussian noise, bone-length jitter and outliers (J's noise model, each
+  frame its own draw, as a tracker's frames are). Then `temporal_noise` on the window. Returns
+  the current frame's `positions`, `local_rot`, `offsets`, `bone_frames`, `input_positions`
+  and the noisy past frames `history [B, k-1, J, 3]`.
+  """
+  B_, J = batch['positions'].shape[:2]
+  k = batch['history'].shape[1] + 1
+  flat = {
+      'positions': jnp.concatenate([batch['history'], batch['positions'][:, None]], 1
+                                   ).reshape(B_ * k, J, 3),
+      'local_rot': jnp.concatenate([batch['history_local_rot'], batch['local_rot'][:, None]], 1
+                                   ).reshape(B_ * k, J, 3, 3),
+      'offsets': jnp.repeat(batch['offsets'], k, axis=0),
+      'bone_frames': jnp.repeat(batch['bone_frames'], k, axis=0)}
+  out = augment(flat, key, aug, rig, group=k)
+  noisy = temporal_noise(key, out['input_positions'].reshape(B_, k, J, 3), aug, rig)
+  current = lambda a: a.reshape((B_, k) + a.shape[1:])[:, -1]
+  return {'positions': current(out['positions']), 'local_rot': current(out['local_rot']),
+          'offsets': current(out['offsets']), 'bone_frames': current(out['bone_frames']),
+          'input_positions': noisy[:, -1], 'history': noisy[:, :-1]}
+
+
+def temporal_noise(key: jax.Array, x: jax.Array, aug: Any, rig: Rig,
+                   return_info: bool = False):
+  """Time-correlated tracker errors on noisy windows `x [B, k, J, 3]` (oldest first, m), issue
+  K; `key` is the augmentation key of `augment` (the samples `clean_frac` left clean there are
+  left clean here too). `aug` fields, each absent = 0 = off:
+    bias_mm b: a drift, i.e. an error that persists over the window: every joint of a sample
+      is offset by the same vector in all k frames, N(0, s^2) per coordinate with a per-sample
+      level s ~ U[0, b] mm (a tracker's drift changes over seconds, so over a window of a
+      fraction of a second it is a constant offset).
+    hold_prob q: with probability q per sample, one joint (uniform) drops out for the last h
+      frames of the window (h ~ U{1 .. k-1}, the current frame included): the tracker repeats
+      that joint's last good position, frame k-1-h's.
+    window_start_prob p: with probability p per sample (clean ones too), the window is at the
+      start of a stream: only c ~ U{0 .. k-2} past frames exist and the older ones are copies of
+      the oldest that does (`windows.py`'s rule for the first frames of a stream).
+  Returns `x` (the same array when all are off), or `(x, info)` with `return_info` (bias_mm
+  [B], hold_joint [B] (-1 = none), hold_frames [B], start_kept [B] (k-1 = full window))."""
+  b = float(aug.get('bias_mm', 0.0))
+  q = float(aug.get('hold_prob', 0.0))
+  p = float(aug.get('window_start_prob', 0.0))
+  c = float(aug.get('clean_frac', 0.0))
+  if b < 0:
+    raise ValueError(f'augment.bias_mm must be >= 0, got {b}')
+  for name, v in (('hold_prob', q), ('window_start_prob', p)):
+    if not 0.0 <= v <= 1.0:
+      raise ValueError(f'augment.{name} is a probability in [0, 1], got {v}')
+  B_, k, J = x.shape[:3]
+  info: dict[str, jax.Array] = {}
+  dirty = jnp.ones((B_,), bool)
+  if c > 0:  # the same draw as tracker_noise's (group k: one per sample)
+    dirty = jax.random.uniform(jax.random.fold_in(key, NOISE_KEY_CLEAN), (B_,)) >= c
+  if b > 0:
+    k_level, k_off = jax.random.split(jax.random.fold_in(key, NOISE_KEY_BIAS))
+    level = jnp.where(dirty, jax.random.uniform(k_level, (B_,), maxval=b), 0.0)
+    x = x + 1e-3 * level[:, None, None, None] * jax.random.normal(k_off, (B_, 1, J, 3))
+    info['bias_mm'] = level
+  if q > 0 and k > 1:
+    k_hit, k_joint, k_len = jax.random.split(jax.random.fold_in(key, NOISE_KEY_HOLD), 3)
+    hit = (jax.random.uniform(k_hit, (B_,)) < q) & dirty
+    joint = jax.random.randint(k_joint, (B_,), 0, J)
+    h = jax.random.randint(k_len, (B_,), 1, k)
+    frame = jnp.arange(k)[None]
+    held = x[jnp.arange(B_), k - 1 - h, joint]  # [B, 3], the last good position
+    at = (hit[:, None] & (frame >= k - h[:, None]))[:, :, None] & (
+        jnp.arange(J)[None, None] == joint[:, None, None])
+    x = jnp.where(at[..., None], held[:, None, None], x)
+    info['hold_joint'] = jnp.where(hit, joint, -1)
+    info['hold_frames'] = jnp.where(hit, h, 0)
+  if p > 0 and k > 1:
+    k_start, k_kept = jax.random.split(jax.random.fold_in(key, NOISE_KEY_START))
+    start = jax.random.uniform(k_start, (B_,)) < p
+    kept = jnp.where(start, jax.random.randint(k_kept, (B_,), 0, k - 1), k - 1)
+    src = jnp.maximum(jnp.arange(k)[None], k - 1 - kept[:, None])  # [B, k]
+    x = jnp.take_along_axis(x, src[:, :, None, None], axis=1)
+    info['start_kept'] = kept
+  return (x, info) if return_info else x

@@ -28,30 +28,60 @@
   Adam with a cosine-decayed step, or optax L-BFGS with its zoom line search) minimising, for ONE
   frame, `w_data * sum_j |FK(params)_j - p_j|^2` (metres, root translation fixed to the target
   root) plus a penalty. Two parameterisations plug into it:
-  - rotations (no prior): per-joint 6D of all J local rotations, root included, no penalty;
-  - latent (prior): `(z [latent], root 6D)`, non-root rotations `decode(decode_params, z)`,
-    penalty `w_z |z|^2`.
+  - rotations (no prior): per-joint 6D of all J rotations, root included, no penalty; with
+    `SolverConfig.bone_chart` (the default) the 6D of the solvers' bone chart
+    `D_j = B_j^T R0_j^T R_j B_j` (`solver_chart`: `R0` the rig's reference pose, identity for
+    cmu_body; `B` the rest bone frames, from the offsets), else of the local rotations `R_j`;
+  - latent (prior): `(z [latent], root 6D)`, non-root rotations `decode(decode_params, z, B)`,
+    penalty `w_z |z|^2`; the root's 6D in the bone chart `D_root` with a bone-chart prior
+    (`decode.bone_chart`), else of `R_root` (a prior trained before issue L: bit for bit as
+    before).
   The per-frame solve is `jax.vmap`ped over frames (cold start) or over fixed windows of a clip
   with `lax.scan` over the frames of a window (warm start: a window's first frame is solved cold
   with `iters`, each later frame starts from the previous frame's solution with `warm_iters`).
 
 Choices written down:
-- The decoder is passed as `decode(decode_params, z) -> [J-1, 3, 3]` with its parameters as a
-  traced pytree, so one compiled solver serves every checkpoint; `decode` itself is a static
-  argument of the jitted entry points (hashable, e.g. `vposer.DecoderFn`).
+- The decoder is passed as `decode(decode_params, z, B) -> [J-1, 3, 3]` (non-root local
+  rotations of the subject whose rest bone frames are `B [J, 3, 3]`, computed here from the
+  offsets with `bone_frames.bone_frames`) with its parameters as a traced pytree, so one
+  compiled solver serves every checkpoint; `decode` itself is a static argument of the jitted
+  entry points (hashable, with a `bone_chart` attribute: `vposer.DecoderFn`).
 - Adam's step follows a cosine decay from `lr` to `lr * final_lr_frac` over the budget (a constant
   step leaves a jitter of about `lr` in 6D units, mm-level on limbs), with b2 = 0.9 (see
   `SolverConfig`).
 - `init_root` applies to both parameterisations; the non-root joints start at the rig's
   reference pose (`Rig.reference_local()`; identity for a rig whose zero pose is its reference,
   as before) without a prior and at `z = 0` with one; `init_root='identity'` starts the root at
-  the reference pose's root orientation (identity there too). Not exactly rig-invariant: the
-  6D parameterisation `GS(x)` does not commute with right-multiplication by a bind, so Adam's
-  path differs on a re-rigged rig (same start pose, same optimum set).
+  the reference pose's root orientation (identity there too).
+- Rig invariance (issue L). Re-rigging by binds A (`R' = A_p^T R A_j`, `R0' = A_p^T R0 A_j`,
+  `B' = A^T B`, `o' = A_p^T o`) leaves the chart unchanged, `D' = D`, and the start pose (the
+  reference pose and the Kabsch root are equivariant), FK's positions and so the loss as a
+  function of `D` are the same: the whole optimisation, Adam's path included, is identical on
+  every rig, and the solution maps back exactly (`R' = R0' B' D B'^T = A_p^T R A_j`, up to float
+  round-off). In the joint chart (`bone_chart=False`, the solver before issue L) it is not: the
+  6D parameterisation `GS(x)` does not commute with multiplication by a bind, so Adam's path
+  differs (same start pose, same optimum set; CMU test, no prior: 31.0 deg on cmu_body, 34.7
+  re-rigged). The latent solver is invariant with a bone-chart prior
+  (`vposer.VAEConfig.bone_chart`, whose decoder is) for the same reason.
+- Why `D` and not the prior's chart `L_j = B_p^T R_j B_j` (`bone_frames.bone_chart`), which is
+  as invariant: `D_j = L0_j^T L_j` with `L0` the reference pose's chart, a fixed rotation of
+  each joint's 6D coordinates, and Adam's per-coordinate steps are not rotation-invariant. `D`
+  starts every joint at the identity 6D, with its coordinates along the rest bone frame (twist
+  about x), as the joint chart does on cmu_body; `L` starts at `B_p^T B_j`. Measured on 60
+  frames of 07_01, 07_12, 09_05 on cmu_body, no prior (local deg / MPJPE mm): 100 iterations `D`
+  27.5 / 7.8, `L` 28.7 / 7.5, the joint chart (with eps 1e-8, the solver before issue L)
+  27.7 / 6.8; 300 iterations 24.4 / 0.10, 26.6 / 0.17, 24.6 / 0.12.
+- Adam's `eps` is 1e-4, not optax's 1e-8 (`SolverConfig.adam_eps`): at a zero gradient (an
+  unobserved twist; a straight limb at the start pose) Adam's step is `lr g / (|g| + eps)`, so
+  float32 round-off in the gradient (~1e-6) became steps of up to `lr`, and the solution
+  depended on round-off, hence on the rig (the 60 frames above, bone chart, 100 iterations:
+  28.02 deg on cmu_body, 28.96 re-rigged with 1e-8; 27.54 and 27.54 with 1e-4; the shipped
+  prior's latent solve is unchanged to 0.001 deg and 0.001 mm).
 - The loss trace has `iters + 1` entries: the loss at the start and after every iteration.
-- Measured on 07_01 (316 clean frames, rotations without a prior, 300 iterations): MPJPE 0.14 mm
-  but local rotation error 21.9 deg against swing IK's 11.5: the unobserved twists have no
-  restoring force and Adam's normalised steps let them wander. Positions check consistency;
+- Measured on 07_01 (316 clean frames, rotations without a prior, 300 iterations; the joint
+  chart, before issue L): MPJPE 0.14 mm but local rotation error 21.9 deg against swing IK's
+  11.5: the unobserved twists have no restoring force and Adam's normalised steps let them
+  wander. Positions check consistency;
   rotation errors rank methods (DESIGN section 7).
 - XLA's cost analysis counts a loop body once, whatever its trip count, so solver FLOPs are
   measured on one iteration and multiplied by the budget (`solver_flops_per_frame`).
@@ -68,12 +98,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ik_gat_jax import bone_frames
 from ik_gat_jax import kinematics
 from ik_gat_jax import rotations
 from ik_gat_jax.skeleton import Rig
 
 Params = Any  # a pytree of arrays
-Decode = Callable[[Params, jax.Array], jax.Array]  # (decode_params, z [L]) -> [J-1, 3, 3]
+# (decode_params, z [L], B [J, 3, 3]) -> [J-1, 3, 3]; has `.bone_chart` (vposer.DecoderFn)
+Decode = Callable[[Params, jax.Array, jax.Array], jax.Array]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,12 +249,19 @@ class SolverConfig:
     w_anchor: refinement only (`refine_rotations`): weight of `|6D - 6D_init|^2`, which keeps
       what the positions cannot see (twists, leaves) near the amortized prediction. The val
       sweep (BENCHMARKS.md, "Amortized + refine") found 0 with lr 0.003 best.
+    adam_eps: Adam's eps, 1e-4: above the float32 round-off of the gradient (module
+      docstring).
+    bone_chart: the rotation solver and the refinement optimise the 6D of the solvers' bone
+      chart `D_j = B_j^T R0_j^T R_j B_j` (rig-invariant: module docstring), not of `R_j`.
+      False (with adam_eps=1e-8): the solver before issue L, bit for bit. The latent solver's
+      root follows its prior's chart instead (`vposer.VAEConfig.bone_chart`).
   """
   iters: int = 100
   lr: float = 0.1
   final_lr_frac: float = 0.05
   adam_b1: float = 0.9
   adam_b2: float = 0.9
+  adam_eps: float = 1e-4
   w_data: float = 10.0
   w_z: float = 0.001  # tuned on val: BENCHMARKS.md "Iterative solver sweep"
   optimizer: str = 'adam'
@@ -231,6 +270,7 @@ class SolverConfig:
   window: int = 30
   lbfgs_memory: int = 10
   w_anchor: float = 0.0
+  bone_chart: bool = True
 
   def __post_init__(self):
     if self.optimizer not in ('adam', 'lbfgs'):
@@ -245,7 +285,8 @@ def _optimizer(config: SolverConfig, iters: int) -> optax.GradientTransformation
   if config.optimizer == 'lbfgs':
     return optax.lbfgs(memory_size=config.lbfgs_memory)
   schedule = optax.cosine_decay_schedule(config.lr, iters, alpha=config.final_lr_frac)
-  return optax.with_extra_args_support(optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2))
+  return optax.with_extra_args_support(optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2,
+                                                  eps=config.adam_eps))
 
 
 def _make_step(loss_fn: Callable[[Params], jax.Array], opt: optax.GradientTransformationExtraArgs,
@@ -283,37 +324,72 @@ def _optimize(loss_fn: Callable[[Params], jax.Array], params0: Params, iters: in
 
 @dataclasses.dataclass(frozen=True)
 class _Problem:
-  to_local: Callable[[Params], jax.Array]
+  to_local: Callable[[Params, jax.Array], jax.Array]  # (params, B [J, 3, 3]) -> [J, 3, 3]
   penalty: Callable[[Params], jax.Array]
 
 
-def _rotation_problem() -> _Problem:
-  """params: `[J, 6]` 6D local rotations, root included."""
-  return _Problem(to_local=rotations.matrix_from_sixd, penalty=lambda params: 0.0)
+def solver_chart(local: jax.Array, B: jax.Array, rig: Rig, joints: slice = slice(None),
+                 inverse: bool = False) -> jax.Array:
+  """Local rotations `[..., K, 3, 3]` of `joints` (default all J) <-> the solvers' bone chart
+  `D_j = B_j^T R0_j^T R_j B_j` (module docstring): each rotation relative to the rig's
+  reference pose `R0` (`Rig.reference_local()`, identity for cmu_body), in the joint's own rest
+  bone frame (`B: [..., J, 3, 3]`, `bone_frames.bone_frames`). `inverse`: D -> R."""
+  Bj = jnp.asarray(B, local.dtype)[..., joints, :, :]
+  BjT = jnp.swapaxes(Bj, -1, -2)
+  R0 = (jnp.asarray(rig.reference_local()[joints], local.dtype) if rig.has_reference_pose
+        else None)  # static
+  if inverse:
+    R = Bj @ local @ BjT
+    return R if R0 is None else R0 @ R
+  rel = local if R0 is None else jnp.swapaxes(R0, -1, -2) @ local
+  return BjT @ rel @ Bj
 
 
-def _latent_problem(decode: Decode, decode_params: Params, config: SolverConfig) -> _Problem:
-  """params: `{'z': [L], 'root': [6]}`; non-root rotations from the decoder."""
+def _rotation_to_local(rig: Rig, chart: bool) -> Callable[[Params, jax.Array], jax.Array]:
+  """`(params [J, 6], B [J, 3, 3]) -> [J, 3, 3]` local rotations from the 6D of the chart."""
+  if not chart:
+    return lambda params, B: rotations.matrix_from_sixd(params)
+  return lambda params, B: solver_chart(rotations.matrix_from_sixd(params), B, rig,
+                                        inverse=True)
 
-  def to_local(params):
-    root = rotations.matrix_from_sixd(params['root'])
-    return jnp.concatenate([root[None], decode(decode_params, params['z'])], axis=0)
+
+def _rotation_problem(rig: Rig, config: SolverConfig) -> _Problem:
+  """params: `[J, 6]` 6D of the rotations in the solver's chart (`config.bone_chart`), root
+  included."""
+  return _Problem(to_local=_rotation_to_local(rig, config.bone_chart),
+                  penalty=lambda params: 0.0)
+
+
+def _latent_problem(decode: Decode, decode_params: Params, rig: Rig,
+                    config: SolverConfig) -> _Problem:
+  """params: `{'z': [L], 'root': [6]}`; non-root rotations from the decoder, the root's 6D in
+  the solvers' bone chart with a bone-chart prior (`decode.bone_chart`), else of `R`."""
+
+  def to_local(params, B):
+    root = rotations.matrix_from_sixd(params['root'])[None]
+    if decode.bone_chart:
+      root = solver_chart(root, B, rig, slice(0, 1), inverse=True)
+    return jnp.concatenate([root, decode(decode_params, params['z'], B)], axis=0)
 
   return _Problem(to_local=to_local, penalty=lambda params: config.w_z * jnp.sum(params['z']**2))
 
 
-def _frame_loss(params: Params, target: jax.Array, offsets: jax.Array, problem: _Problem,
-                rig: Rig, config: SolverConfig) -> jax.Array:
-  """One frame: `target, offsets: [J, 3]` -> scalar loss (root translation from the target)."""
-  _, p = kinematics.forward_kinematics(problem.to_local(params), offsets, rig.parents,
+def _frame_loss(params: Params, target: jax.Array, offsets: jax.Array, B: jax.Array,
+                problem: _Problem, rig: Rig, config: SolverConfig) -> jax.Array:
+  """One frame: `target, offsets: [J, 3]`, rest bone frames `B: [J, 3, 3]` -> scalar loss (root
+  translation from the target)."""
+  _, p = kinematics.forward_kinematics(problem.to_local(params, B), offsets, rig.parents,
                                        root_pos=target[0])
   return config.w_data * jnp.sum((p - target)**2) + problem.penalty(params)
 
 
 def _frame_loss_fn(problem: _Problem, target: jax.Array, offsets: jax.Array, rig: Rig,
                    config: SolverConfig) -> Callable[[Params], jax.Array]:
-  return functools.partial(_frame_loss, target=target, offsets=offsets, problem=problem,
-                           rig=rig, config=config)
+  """The loss of one frame as a function of its params; the bone frames are computed once,
+  outside the iterations."""
+  return functools.partial(_frame_loss, target=target, offsets=offsets,
+                           B=bone_frames.bone_frames(offsets, rig), problem=problem, rig=rig,
+                           config=config)
 
 
 def _solve_frame(problem: _Problem, params0: Params, target: jax.Array, offsets: jax.Array,
@@ -332,20 +408,37 @@ def _initial_root(positions: jax.Array, offsets: jax.Array, rig: Rig,
 
 def _rotation_init(positions, offsets, rig, config, init_local=None) -> Params:
   """`[..., J, 3]` -> `[..., J, 6]`: the rig's reference pose (the zero pose unless the rig names
-  another) with the configured root, or `init_local`."""
+  another) with the configured root, or `init_local`, in the solver's chart."""
   if init_local is None:
     root = _initial_root(positions, offsets, rig, config)
     start = rig.reference_local() if rig.has_reference_pose else jnp.eye(3)
     init_local = jnp.broadcast_to(jnp.asarray(start, root.dtype), positions.shape + (3,))
     init_local = init_local.at[..., 0, :, :].set(root)
+  if config.bone_chart:
+    init_local = solver_chart(init_local, _frames(offsets, rig, init_local.dtype), rig)
   return rotations.sixd_from_matrix(init_local)
 
 
-def _latent_init(positions, offsets, rig, config, latent_dim: int) -> Params:
-  """`[..., J, 3]` -> `{'z': [..., L] zeros, 'root': [..., 6]}`."""
-  root = _initial_root(positions, offsets, rig, config)
-  return {'z': jnp.zeros(positions.shape[:-2] + (latent_dim,), positions.dtype),
-          'root': rotations.sixd_from_matrix(root)}
+def _frames(offsets: jax.Array, rig: Rig, dtype) -> jax.Array:
+  return bone_frames.bone_frames(jnp.asarray(offsets, dtype), rig)
+
+
+def latent_params(root: jax.Array, offsets: jax.Array, rig: Rig, decode: Decode,
+                  latent_dim: int) -> Params:
+  """The latent solver's start from a root rotation `root: [..., 3, 3]` (world) and
+  `offsets: [..., J, 3]`: `{'z': [..., L] zeros, 'root': [..., 6]}`, the root's 6D in the
+  solvers' bone chart with a bone-chart prior (`decode.bone_chart`), else of `R`."""
+  z = jnp.zeros(root.shape[:-2] + (latent_dim,), root.dtype)
+  if decode.bone_chart:
+    root = solver_chart(root[..., None, :, :], _frames(offsets, rig, root.dtype), rig,
+                        slice(0, 1))[..., 0, :, :]
+  return {'z': z, 'root': rotations.sixd_from_matrix(root)}
+
+
+def _latent_init(positions, offsets, rig, config, decode: Decode, latent_dim: int) -> Params:
+  """`[..., J, 3]` -> `{'z': [..., L] zeros, 'root': [..., 6]}` (`latent_params`)."""
+  return latent_params(_initial_root(positions, offsets, rig, config), offsets, rig, decode,
+                       latent_dim)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,7 +452,7 @@ def _solve_cold(problem: _Problem, params0: Params, positions: jax.Array, offset
 
   def one(p0, target, off):
     params, trace = _solve_frame(problem, p0, target, off, config.iters, rig, config)
-    return problem.to_local(params), trace
+    return problem.to_local(params, bone_frames.bone_frames(off, rig)), trace
 
   # in_axes: params0 and targets per frame; offsets per frame or shared by the whole batch.
   return jax.vmap(one, in_axes=(0, 0, 0 if offsets.ndim == 3 else None))(
@@ -378,6 +471,7 @@ def _solve_windows(problem: _Problem, init_fn: Callable[[jax.Array], Params],
   W = config.window
   n = math.ceil(T / W)
   padded = jnp.concatenate([positions, jnp.repeat(positions[-1:], n * W - T, axis=0)])
+  B = bone_frames.bone_frames(offsets, rig)
 
   def window(frames):  # [W, J, 3]
     first, trace = _solve_frame(problem, init_fn(frames[0]), frames[0], offsets, config.iters,
@@ -390,7 +484,9 @@ def _solve_windows(problem: _Problem, init_fn: Callable[[jax.Array], Params],
 
     _, (rest, rest_loss) = jax.lax.scan(next_frame, first, frames[1:])
     params = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
-    return jax.vmap(problem.to_local)(params), jnp.concatenate([trace[-1:], rest_loss])
+    # in_axes: the window's frames; one subject's bone frames.
+    local = jax.vmap(problem.to_local, in_axes=(0, None))(params, B)
+    return local, jnp.concatenate([trace[-1:], rest_loss])
 
   # in_axes: one window of frames per solver; offsets are closed over (one subject).
   local, final = jax.vmap(window)(padded.reshape(n, W, J, 3))
@@ -412,7 +508,7 @@ def solve_rotations(positions: jax.Array, offsets: jax.Array, rig: Rig, config: 
     `(local_rot [N, J, 3, 3], loss_trace [N, config.iters + 1])`.
   """
   params0 = _rotation_init(positions, offsets, rig, config, init_local)
-  return _solve_cold(_rotation_problem(), params0, positions, offsets, rig, config)
+  return _solve_cold(_rotation_problem(rig, config), params0, positions, offsets, rig, config)
 
 
 def solve_latent(positions: jax.Array, offsets: jax.Array, decode: Decode, decode_params: Params,
@@ -420,11 +516,12 @@ def solve_latent(positions: jax.Array, offsets: jax.Array, decode: Decode, decod
                  latent_dim: int = 32) -> tuple[jax.Array, jax.Array]:
   """Iterative IK with a prior, cold start per frame: optimise `(z [latent_dim], root 6D)`.
 
-  `decode(decode_params, z [latent_dim]) -> [J-1, 3, 3]` non-root local rotations. Shapes and
-  returns as `solve_rotations`.
+  `decode(decode_params, z [latent_dim], B [J, 3, 3]) -> [J-1, 3, 3]` non-root local rotations
+  of the subject with rest bone frames B (module docstring). Shapes and returns as
+  `solve_rotations`.
   """
-  params0 = _latent_init(positions, offsets, rig, config, latent_dim)
-  problem = _latent_problem(decode, decode_params, config)
+  params0 = _latent_init(positions, offsets, rig, config, decode, latent_dim)
+  problem = _latent_problem(decode, decode_params, rig, config)
   return _solve_cold(problem, params0, positions, offsets, rig, config)
 
 
@@ -433,21 +530,22 @@ def solve_rotations_warm(positions: jax.Array, offsets: jax.Array, rig: Rig,
   """`solve_rotations` with warm start over windows of a clip `positions: [T, J, 3]`,
   `offsets: [J, 3]` -> `(local_rot [T, J, 3, 3], final_loss [T])`."""
   init_fn = lambda target: _rotation_init(target, offsets, rig, config)
-  return _solve_windows(_rotation_problem(), init_fn, positions, offsets, rig, config)
+  return _solve_windows(_rotation_problem(rig, config), init_fn, positions, offsets, rig, config)
 
 
 def solve_latent_warm(positions: jax.Array, offsets: jax.Array, decode: Decode,
                       decode_params: Params, rig: Rig, config: SolverConfig,
                       latent_dim: int = 32) -> tuple[jax.Array, jax.Array]:
   """`solve_latent` with warm start over windows of a clip; returns as `solve_rotations_warm`."""
-  init_fn = lambda target: _latent_init(target, offsets, rig, config, latent_dim)
-  problem = _latent_problem(decode, decode_params, config)
+  init_fn = lambda target: _latent_init(target, offsets, rig, config, decode, latent_dim)
+  problem = _latent_problem(decode, decode_params, rig, config)
   return _solve_windows(problem, init_fn, positions, offsets, rig, config)
 
 
-def _anchored_problem(init: jax.Array, config: SolverConfig) -> _Problem:
-  """Rotations problem plus `w_anchor |params - init|^2` (init: `[J, 6]`, one frame)."""
-  return _Problem(to_local=rotations.matrix_from_sixd,
+def _anchored_problem(init: jax.Array, rig: Rig, config: SolverConfig) -> _Problem:
+  """Rotations problem plus `w_anchor |params - init|^2` (init: `[J, 6]`, one frame, in the
+  solver's chart: with the bone chart the anchor is rig-invariant too)."""
+  return _Problem(to_local=_rotation_to_local(rig, config.bone_chart),
                   penalty=lambda params: config.w_anchor * jnp.sum((params - init)**2))
 
 
@@ -455,8 +553,11 @@ def _refine_frame(init_local: jax.Array, target: jax.Array, offsets: jax.Array, 
                   config: SolverConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One frame: `config.iters` steps from `init_local [J, 3, 3]`, keeping the best iterate, so
   the returned loss never exceeds the initial one. -> (local, initial loss, final loss)."""
-  params0 = rotations.sixd_from_matrix(init_local)
-  loss_fn = _frame_loss_fn(_anchored_problem(params0, config), target, offsets, rig, config)
+  B = bone_frames.bone_frames(offsets, rig)
+  start = solver_chart(init_local, B, rig) if config.bone_chart else init_local
+  params0 = rotations.sixd_from_matrix(start)
+  problem = _anchored_problem(params0, rig, config)
+  loss_fn = _frame_loss_fn(problem, target, offsets, rig, config)
   opt = _optimizer(config, config.iters)
   step = _make_step(loss_fn, opt, config)
 
@@ -472,7 +573,7 @@ def _refine_frame(init_local: jax.Array, target: jax.Array, offsets: jax.Array, 
       keep_best, ((params0, opt.init(params0)), (params0, loss0)), length=config.iters)
   last_loss = loss_fn(last)
   best = jnp.where(last_loss < best_loss, last, best)
-  return rotations.matrix_from_sixd(best), loss0, jnp.minimum(last_loss, best_loss)
+  return problem.to_local(best, B), loss0, jnp.minimum(last_loss, best_loss)
 
 
 def refine_rotations(init_local: jax.Array, positions: jax.Array, offsets: jax.Array, rig: Rig,
@@ -531,11 +632,11 @@ def solver_flops_per_frame(positions: jax.Array, offsets: jax.Array, rig: Rig,
   on `positions [N, J, 3]`, times `config.iters` (initialisation excluded). For L-BFGS the
   line search is a loop, so this counts one of its evaluations."""
   if decode is None:
-    problem = _rotation_problem()
+    problem = _rotation_problem(rig, config)
     params0 = _rotation_init(positions, offsets, rig, config)
   else:
-    problem = _latent_problem(decode, decode_params, config)
-    params0 = _latent_init(positions, offsets, rig, config, latent_dim)
+    problem = _latent_problem(decode, decode_params, rig, config)
+    params0 = _latent_init(positions, offsets, rig, config, decode, latent_dim)
   opt = _optimizer(config, config.iters)
 
   def one_iteration(params0, positions, offsets):

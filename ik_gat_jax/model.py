@@ -75,6 +75,14 @@ Noise level (issue J, `noise_level_input`, off by default): one more input chann
   mirror-paired bones in this frame (x NOISE_LEVEL_SCALE), a label-free estimate of how noisy
   the tracker input is (`noise_level` says why that one); appended after the G2 channels.
 
+Causal window (issue K, `window` = k > 1, off by default): the model also takes `history
+  [..., k-1, J, 3]`, the k-1 past frames (oldest first, 1 / `window_fps` s apart; `windows.py`
+  builds them for clips and streams, and says how the first frames of a stream are filled). They
+  go through the current frame's centre, scale and heading, and each joint gets 3 (k-1) more
+  input channels, the last ones: its displacement in each past frame from the current frame
+  (x `windows.HISTORY_SCALE`). The output is the current frame's rotations. Window models take
+  full-body input only (no joint masks, orientations or end sites).
+
 Every head's last layer starts near the identity 6D (bias (1,0,0,0,1,0), weights ~1e-3).
 The static skeleton structure (parents, designated children, adjacency) stays Python tuples:
 `Rig` and `ModelConfig` are frozen dataclasses, held as static module attributes.
@@ -95,6 +103,7 @@ from ik_gat_jax import bone_frames
 from ik_gat_jax import kinematics
 from ik_gat_jax import rotations
 from ik_gat_jax import skeleton
+from ik_gat_jax import windows
 from ik_gat_jax.gat import AGGREGATIONS, SCORINGS, GraphAttention
 from ik_gat_jax.skeleton import Rig
 
@@ -153,6 +162,8 @@ class ModelConfig:
   observed_direction_blend: bool = False
   noise_level_input: bool = False
   bone_chart: bool = False
+  window: int = 1
+  window_fps: float = 30.0
 
   def __post_init__(self):
     # JSON and flags give lists or a comma-separated string; keep a (hashable) tuple.
@@ -173,6 +184,13 @@ class ModelConfig:
                        'the prediction: set observed_direction_head=True as well')
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f'dropout must be in [0, 1), got {self.dropout}')
+    if int(self.window) != self.window or self.window < 1:
+      raise ValueError(f'window is a number of frames >= 1, got {self.window}')
+    if not (math.isfinite(self.window_fps) and self.window_fps > 0):
+      raise ValueError(f'window_fps must be a positive frame rate, got {self.window_fps}')
+    if self.window > 1 and (self.joint_mask or self.orientation_inputs or self.end_sites):
+      raise ValueError('a window model (window > 1) takes full-body positions only: no '
+                       'joint_mask, orientation_inputs or end_sites')
 
   @property
   def dims(self) -> tuple[int, int, int, int]:
@@ -188,9 +206,9 @@ class ModelConfig:
   @property
   def input_features(self) -> int:
     """Per-joint input width: position (3), observed flag (1), 6D orientation and its flag (7),
-    end site and its flag (4), noise level (1)."""
+    end site and its flag (4), noise level (1), past-frame displacements (3 per past frame)."""
     return (3 + int(self.joint_mask) + 7 * bool(self.orientation_inputs)
-            + 4 * int(self.end_sites) + int(self.noise_level_input))
+            + 4 * int(self.end_sites) + int(self.noise_level_input) + 3 * (self.window - 1))
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -439,7 +457,8 @@ def extra_inputs(batch: Mapping[str, Any], config: ModelConfig) -> dict[str, Any
   """The optional model inputs (module docstring) that `batch` holds and `config` takes."""
   keys = (('joint_mask',) if config.joint_mask else ()) + (
       ('orientations', 'orientation_mask') if config.orientation_inputs else ()) + (
-      ('end_sites', 'end_site_mask') if config.end_sites else ())
+      ('end_sites', 'end_site_mask') if config.end_sites else ()) + (
+      ('history',) if config.window > 1 else ())
   return {k: batch[k] for k in keys if k in batch}
 
 
@@ -581,9 +600,11 @@ class IKModel(nnx.Module):
   def __call__(self, positions: jax.Array, *, deterministic: bool,
                joint_mask: jax.Array | None = None, orientations: jax.Array | None = None,
                orientation_mask: jax.Array | None = None, end_sites: jax.Array | None = None,
-               end_site_mask: jax.Array | None = None) -> jax.Array:
-    """`positions [..., J, 3]` (+ the optional sparse inputs of the module docstring) ->
-    rotations `[..., J, 3, 3]` in `config.output_space`."""
+               end_site_mask: jax.Array | None = None,
+               history: jax.Array | None = None) -> jax.Array:
+    """`positions [..., J, 3]` (+ the optional sparse inputs of the module docstring; a window
+    model's `history [..., window-1, J, 3]`, the past frames oldest first) -> rotations
+    `[..., J, 3, 3]` in `config.output_space`."""
     batch, J = positions.shape[:-2], self.rig.num_joints
     B = math.prod(batch)
     mask, given = self._input_masks(
@@ -598,14 +619,30 @@ class IKModel(nnx.Module):
       end_given = jnp.zeros((B, E), bool) if end_sites is None else (
           jnp.ones((B, E), bool) if end_site_mask is None else
           jnp.broadcast_to(jnp.reshape(jnp.asarray(end_site_mask), (-1, E)) > 0.5, (B, E)))
-    x, C, end_points = self.canonical_points(
-        positions.reshape(-1, J, 3), mask,
-        None if end_given is None else (jnp.zeros((B, E, 3), positions.dtype)
-                                        if end_sites is None else end_sites.reshape(-1, E, 3)),
-        end_given)
+    K = self.config.window - 1
+    if history is not None and not K:
+      raise ValueError('this model sees one frame (ModelConfig.window=1): it takes no history')
+    if K:  # past frames go through the same centre, scale and heading as the current one
+      if history is None:
+        raise ValueError(f'this window model (ModelConfig.window={K + 1}) needs history '
+                         f'[..., {K}, J, 3], the past frames (windows.py)')
+      x, C, past = self.canonical_points(
+          positions.reshape(-1, J, 3), mask, history.reshape(B, K * J, 3),
+          jnp.ones((B, K * J), bool))
+      end_points = None
+    else:
+      x, C, end_points = self.canonical_points(
+          positions.reshape(-1, J, 3), mask,
+          None if end_given is None else (jnp.zeros((B, E, 3), positions.dtype)
+                                          if end_sites is None else end_sites.reshape(-1, E, 3)),
+          end_given)
     feats = self.input_features(
         x, C, mask, None if orientations is None else orientations.reshape(-1, J, 3, 3), given,
         end_points, end_given)
+    if K:  # the last channels: each past frame's displacement from the current frame, x10
+      rel = windows.HISTORY_SCALE * (past.reshape(B, K, J, 3) - x[:, None])
+      feats = jnp.concatenate(
+          [feats, jnp.swapaxes(rel, 1, 2).reshape(B, J, 3 * K).astype(feats.dtype)], axis=-1)
     sixd = self.backbone(feats, deterministic=deterministic)  # [B, J, 6], canonical frame
     if self.config.observed_direction_head:
       obs, valid = observed_directions(x, self.rig, mask)
@@ -643,23 +680,6 @@ def param_table(config: ModelConfig | None = None) -> dict[str, dict[str, dict[s
 # Output spaces <-> local rotations.
 
 
-def _bone_chart(R: jax.Array, B_frames: jax.Array, rig: Rig, joints, inverse: bool) -> jax.Array:
-  """Local rotations of `joints` <-> their bone-frame chart L_j = B_p^T R_j B_j (root:
-  L = R B_root), the rest of `R` unchanged. Re-rigging by binds A gives R' = A_p^T R A_j and
-  B' = A^T B, so L' = L: the network's target (and its identity start, L = I: the bone frame of
-  j aligned with its parent's) mean the same pose on every rig. `inverse`: L -> R."""
-  B = jnp.broadcast_to(B_frames, R.shape)
-  out = [R[..., j, :, :] for j in range(R.shape[-3])]
-  for j in joints:
-    p = rig.parents[j]
-    left = jnp.eye(3, dtype=R.dtype) if p < 0 else B[..., p, :, :]
-    if inverse:  # R = B_p L B_j^T
-      out[j] = left @ R[..., j, :, :] @ jnp.swapaxes(B[..., j, :, :], -1, -2)
-    else:
-      out[j] = jnp.swapaxes(left, -1, -2) @ R[..., j, :, :] @ B[..., j, :, :]
-  return jnp.stack(out, axis=-3)
-
-
 def _local_joints(rig: Rig, output_space: str) -> tuple[int, ...]:
   """Joints whose output is a local rotation: all for 'local', the leaves for 'mixed'."""
   if output_space == 'local':
@@ -679,7 +699,7 @@ def to_local(pred: jax.Array, B_frames: jax.Array, rig: Rig, output_space: str,
   joints = _local_joints(rig, output_space) if bone_chart else ()
   if joints:
     pred = jnp.broadcast_to(pred, jnp.broadcast_shapes(pred.shape, B_frames.shape))
-    pred = _bone_chart(pred, B_frames, rig, joints, inverse=True)
+    pred = bone_frames.bone_chart(pred, B_frames, rig.parents, joints, inverse=True)
   return _to_local_joint_chart(pred, B_frames, rig, output_space)
 
 
@@ -690,7 +710,7 @@ def from_local(local_rot: jax.Array, B_frames: jax.Array, rig: Rig, output_space
   joints = _local_joints(rig, output_space) if bone_chart else ()
   if joints:
     out = jnp.broadcast_to(out, jnp.broadcast_shapes(out.shape, B_frames.shape))
-    out = _bone_chart(out, B_frames, rig, joints, inverse=False)
+    out = bone_frames.bone_chart(out, B_frames, rig.parents, joints, inverse=False)
   return out
 
 

@@ -1,15 +1,18 @@
-"""Pictures a person can check: a rest pose with its bone frames; predicted vs true skeletons."""
+"""Pictures a person can check: a rest pose with its bone frames; predicted vs true skeletons;
+the box body of `io.gltf` posed by several methods, each box coloured by its joint's error."""
 
 from __future__ import annotations
 
 import functools
 import os
 from pathlib import Path
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from ik_gat_jax import bone_frames as bf
 from ik_gat_jax.io import atomic
+from ik_gat_jax.io import gltf
 from ik_gat_jax.skeleton import Rig, rest_positions_np
 
 _AXIS_COLORS = ('tab:red', 'tab:green', 'tab:blue')  # x (bone), y, z
@@ -171,3 +174,157 @@ def save_solve_clip(path: str | os.PathLike, input_positions: np.ndarray,
     raise FileExistsError(f'{path} is not empty')
   for k, im in enumerate(images):
     Image.fromarray(im).save(path / f'frame_{k:04d}.png')
+
+
+# ----------------------------------------------------------------------------------------------
+# Box bodies side by side: the rotations themselves, each box coloured by its joint's error.
+
+ERROR_CMAP = 'turbo'
+_LIGHT = np.array([0.3, -0.8, 0.6]) / np.linalg.norm([0.3, -0.8, 0.6])  # plot axes, near the eye
+_REFERENCE_GREYS = {0: 0.78, 1: 0.62, -1: 0.9}  # middle, +lateral side, the other side
+
+
+class Body(NamedTuple):
+  """One column: `label` (its title), world rotations `global_rot [T, J, 3, 3]` and joint
+  positions `positions [T, J, 3]` (metres), and `error_deg [T, J]` (each joint's local rotation
+  error, colouring its boxes) or None for the reference (greys: the +lateral side darker)."""
+  label: str
+  global_rot: np.ndarray
+  positions: np.ndarray
+  error_deg: np.ndarray | None = None
+
+
+def _box_faces(offsets: np.ndarray, rig: Rig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The `io.gltf` box body at rest as quads: corners `[F, 4, 3]` relative to each face's
+  joint, outward normals `[F, 3]`, joint `[F]` (rig axes)."""
+  boxes = gltf.body_boxes(offsets, rig)
+  rest = rest_positions_np(np.asarray(offsets, np.float64), rig.parents)
+  quads = np.concatenate([(b['vertices'] - rest[b['joint']]).reshape(-1, 4, 3) for b in boxes])
+  normals = np.concatenate([b['normals'][::4] for b in boxes])  # 4 corners per face
+  joints = np.concatenate([np.full(len(b['vertices']) // 4, b['joint']) for b in boxes])
+  return quads, normals, joints
+
+
+def _draw_body(ax, faces, G: np.ndarray, p: np.ndarray, colours: np.ndarray, rig: Rig,
+               centre: np.ndarray, half: np.ndarray) -> None:
+  """The boxes posed by `G [J, 3, 3]`, `p [J, 3]`, face colours `[F, 3]` shaded by a light near
+  the eye, in the box `centre` +- `half [3]` (plot axes, equal scale)."""
+  from mpl_toolkits.mplot3d.art3d import Poly3DCollection  # pylint: disable=import-outside-toplevel
+  quads, normals, joints = faces
+  world = np.einsum('fab,fkb->fka', G[joints], quads) + p[joints][:, None]
+  n = _to_plot(np.einsum('fab,fb->fa', G[joints], normals), rig)
+  shade = 0.45 + 0.55 * np.clip(n @ _LIGHT, 0.0, 1.0)
+  ax.add_collection3d(Poly3DCollection(_to_plot(world, rig), facecolors=colours * shade[:, None],
+                                       edgecolors=(0, 0, 0, 0.35), linewidths=0.2))
+  lo, hi = centre - half, centre + half
+  ax.set(xlim=(lo[0], hi[0]), ylim=(lo[1], hi[1]), zlim=(lo[2], hi[2]))
+  ax.set_box_aspect(tuple(half), zoom=1.25)
+  ax.view_init(elev=10, azim=-70)
+  ax.set_axis_off()
+
+
+def _face_colours(body: Body, t: int, joints: np.ndarray, sides: np.ndarray, cmap,
+                  vmax: float) -> np.ndarray:
+  if body.error_deg is None:
+    return np.repeat(np.asarray([_REFERENCE_GREYS[int(s)] for s in sides[joints]])[:, None], 3, 1)
+  return np.asarray(cmap(np.clip(body.error_deg[t][joints] / vmax, 0.0, 1.0)))[:, :3]
+
+
+def _panel_title(body: Body, t: int, header: bool) -> str:
+  line = (f'frame {t}' if body.error_deg is None else
+          f'frame {t}: mean {body.error_deg[t].mean():.1f} deg')
+  return f'{body.label}\n{line}' if header else line
+
+
+def _draw_row(axes, bodies, t, faces, sides, rig, cmap, vmax, centre, half, fontsize, header):
+  for ax, body in zip(axes, bodies):
+    colours = _face_colours(body, t, faces[2], sides, cmap, vmax)
+    _draw_body(ax, faces, body.global_rot[t], body.positions[t], colours, rig, centre, half)
+    ax.set_title(_panel_title(body, t, header), fontsize=fontsize, pad=0,
+                 fontweight='bold' if header else 'normal')
+
+
+def _sides(offsets: np.ndarray, rig: Rig) -> np.ndarray:
+  """Per joint +1 / -1 / 0: on the rig's +lateral side, the other, or the middle (rest)."""
+  rest = rest_positions_np(np.asarray(offsets, np.float64), rig.parents)
+  side = (rest - rest[0]) @ np.asarray(rig.lateral)
+  return np.where(side > 0.02, 1, np.where(side < -0.02, -1, 0))
+
+
+def _colour_bar(fig, cax, cmap, vmax: float, label: str, fontsize: int) -> None:
+  plt = pyplot()
+  bar = fig.colorbar(plt.cm.ScalarMappable(plt.Normalize(0.0, vmax), cmap), cax=cax,
+                     extend='max')
+  bar.set_label(label, fontsize=fontsize)
+  bar.ax.tick_params(labelsize=fontsize - 1)
+
+
+def _extent(bodies: Sequence[Body], frames: Sequence[int], rig: Rig
+            ) -> tuple[np.ndarray, np.ndarray]:
+  """(centre relative to the reference's root, half sizes `[3]`) of the box holding every
+  body's joints at `frames` (plot axes), with room for the boxes' width."""
+  pts = np.concatenate([_to_plot(b.positions[frames] - bodies[0].positions[frames, :1], rig)
+                        for b in bodies], axis=1).reshape(-1, 3)
+  lo, hi = pts.min(0) - 0.08, pts.max(0) + 0.08
+  return (lo + hi) / 2, (hi - lo) / 2
+
+
+def plot_error_bodies(path: str | os.PathLike, offsets: np.ndarray, rig: Rig,
+                      bodies: Sequence[Body], frames: Sequence[int], vmax: float = 30.0,
+                      title: str = '') -> None:
+  """PNG: a row per frame of `frames`, a column per body (`Body`: a reference in greys, the
+  others coloured by error, one colour bar 0..`vmax` degrees). The box body of `io.gltf` on
+  `offsets [J, 3]`, each box moving rigidly with its joint: a twist error turns the (flat) box
+  about its bone."""
+  plt = pyplot()
+  cmap = plt.get_cmap(ERROR_CMAP)
+  frames = [int(t) for t in frames]
+  faces = _box_faces(offsets, rig)
+  sides = _sides(offsets, rig)
+  rel, half = _extent(bodies, frames, rig)
+  rows, cols = len(frames), len(bodies)
+  height = 3.6 * rows + 0.9
+  fig = plt.figure(figsize=(3.0 * cols + 1.0, height))
+  fig.subplots_adjust(left=0.0, right=0.88, bottom=0.0, top=1 - 0.9 / height, wspace=0.0,
+                      hspace=0.12)
+  for r, t in enumerate(frames):
+    axes = [fig.add_subplot(rows, cols, r * cols + c + 1, projection='3d') for c in range(cols)]
+    centre = _to_plot(bodies[0].positions[t, 0], rig) + rel
+    _draw_row(axes, bodies, t, faces, sides, rig, cmap, vmax, centre, half, 8, r == 0)
+  _colour_bar(fig, fig.add_axes([0.9, 0.2, 0.018, 0.6]), cmap, vmax,
+              'local rotation error of the joint the box moves with (deg)', 8)
+  fig.suptitle(title or f'{rig.name}: the box body posed by each method; each box coloured by the '
+               'local rotation error of its joint', fontsize=10, y=1 - 0.25 / height)
+  save_figure(fig, path)
+
+
+def save_error_bodies_clip(path: str | os.PathLike, offsets: np.ndarray, rig: Rig,
+                           bodies: Sequence[Body], frames: Sequence[int], fps: float = 30.0,
+                           vmax: float = 30.0, title: str = '') -> None:
+  """An animated GIF of `plot_error_bodies`' row for each of `frames` (the reference's root
+  followed, fixed scale), each image shown for the time its frames span at `fps`."""
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  plt = pyplot()
+  cmap = plt.get_cmap(ERROR_CMAP)
+  frames = [int(t) for t in frames]
+  faces = _box_faces(offsets, rig)
+  sides = _sides(offsets, rig)
+  rel, half = _extent(bodies, frames, rig)
+  images = []
+  for t in frames:
+    fig = plt.figure(figsize=(2.6 * len(bodies) + 0.9, 3.3))
+    fig.subplots_adjust(left=0.0, right=0.86, bottom=0.0, top=0.84, wspace=0.0)
+    axes = [fig.add_subplot(1, len(bodies), c + 1, projection='3d') for c in range(len(bodies))]
+    centre = _to_plot(bodies[0].positions[t, 0], rig) + rel
+    _draw_row(axes, bodies, t, faces, sides, rig, cmap, vmax, centre, half, 7, True)
+    _colour_bar(fig, fig.add_axes([0.88, 0.12, 0.015, 0.66]), cmap, vmax,
+                'local rotation error (deg)', 7)
+    if title:
+      fig.suptitle(title, fontsize=8)
+    fig.canvas.draw()
+    images.append(Image.fromarray(np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()))
+    plt.close(fig)
+  step = np.median(np.diff(frames)) if len(frames) > 1 else 1
+  with atomic.atomic_path(path, '.gif') as tmp:
+    images[0].save(tmp, save_all=True, append_images=images[1:], loop=0,
+                   duration=int(1000 * step / fps))

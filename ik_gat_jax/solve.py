@@ -11,7 +11,8 @@ rig order, header optional), .bvh (joint positions by FK, the file's own rest of
 by extension: .bvh (the rig with the subject's offsets, animated; centimetres unless
 --bvh_units=m), .npz (rotations, FK positions, offsets), .smpl.npz (SMPL axis-angle pose
 parameters `[T, 66]`, smpl22 rig only; --smpl_world=amass for AMASS's z-up world), .glb (glTF
-2.0 binary: the rig as nodes, the motion as animation, a box body skinned to it; io/gltf.py).
+2.0 binary: the rig as nodes, the motion as animation, a box body skinned to it; io/gltf.py),
+.fbx (the same GLB converted by headless Blender, which must be on PATH; io/blender.py).
 Every output is written to a temp file and renamed once everything succeeded; an existing output is
 refused without --overwrite; every error is one line on stderr with exit status 2. The command
 line (`run`, not `solve_file`) keeps compiled code in a persistent cache, `~/.cache/ik_gat_jax/jax`
@@ -36,6 +37,7 @@ from ik_gat_jax import solver as solver_lib
 from ik_gat_jax import temporal
 from ik_gat_jax import trackers as trackers_lib
 from ik_gat_jax.errors import CheckpointError, InputError
+from ik_gat_jax.io import blender
 from ik_gat_jax.io import exports
 from ik_gat_jax.io import smpl as smpl_lib
 
@@ -47,14 +49,14 @@ def _stderr(msg: str) -> None:
 
 
 def output_kind(path: str | Path) -> str:
-  """'bvh', 'smpl' (.smpl.npz), 'npz' or 'glb' from the output's extension."""
+  """'bvh', 'smpl' (.smpl.npz), 'npz', 'glb' or 'fbx' from the output's extension."""
   name = str(path).lower()
   if name.endswith('.smpl.npz'):
     return 'smpl'
-  for ext in ('bvh', 'npz', 'glb'):
+  for ext in ('bvh', 'npz', 'glb', 'fbx'):
     if name.endswith('.' + ext):
       return ext
-  raise InputError(f'output {path}: unknown format; use .bvh, .npz, .smpl.npz or .glb')
+  raise InputError(f'output {path}: unknown format; use .bvh, .npz, .smpl.npz, .glb or .fbx')
 
 
 def parse_frames(spec: str | None, num_frames: int, default: int) -> list[int]:
@@ -123,6 +125,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   t0 = time.perf_counter()
   kind = output_kind(output)
   exports.check_output(output, overwrite)
+  if kind == 'fbx':
+    blender.require_blender('FBX output')  # refuse before solving
   for extra in (smpl_npz, plot, clip):
     if extra is not None:
       exports.check_output(extra, overwrite)
@@ -212,6 +216,8 @@ def _write_main(kind, path, sol, rig, fps, bvh_units, smpl_world, solver) -> Non
     exports.write_smpl_npz(path, sol, rig, fps, world=smpl_world)
   elif kind == 'glb':
     exports.write_solution_glb(path, sol, rig, fps)
+  elif kind == 'fbx':
+    exports.write_solution_fbx(path, sol, rig, fps)
   else:
     exports.write_npz_atomic(path, exports.solution_arrays(
         sol, rig, fps, {'checkpoint': np.asarray(str(solver.source))}))
@@ -241,8 +247,8 @@ def define_flags() -> None:
     return
   s, b = flags.DEFINE_string, flags.DEFINE_boolean
   s('input', None, 'Positions: .npz (positions [T,J,3]), .csv (J*3 columns per row) or .bvh.')
-  s('output', None, 'Result: .bvh, .npz, .smpl.npz (SMPL pose parameters, smpl22 only) or '
-    '.glb (glTF 2.0 binary, animated rig with a box body).')
+  s('output', None, 'Result: .bvh, .npz, .smpl.npz (SMPL pose parameters, smpl22 only), '
+    '.glb (glTF 2.0 binary, animated rig with a box body) or .fbx (the same via Blender).')
   s('checkpoint', None, 'Run or checkpoint directory (default: the shipped checkpoint).')
   s('rig', None, 'Refuse a checkpoint that is not for this rig (name or rig JSON).')
   s('offsets_from', None, 'BVH whose rest offsets are the subject (default: the input BVH\'s '

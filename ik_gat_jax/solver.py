@@ -41,6 +41,13 @@ A checkpoint without them refuses a mask, NaN joints, orientations or end sites 
 With missing joints the plausibility warnings are skipped, `estimate_lengths` and refinement
 refuse, and `positions_fk` is NaN in frames whose root is missing (FK starts at the root).
 
+Window models (issue K, `ModelConfig.window` k > 1): the network sees each frame with its k-1
+past frames, 1 / `window_fps` s apart (at another `fps` the past frames are interpolated;
+`windows.py`). `solve` builds the windows of the clip; `step` and `solve_stream` keep the past
+frames as stream state, so a stream and the same frames as a clip get the same windows; the
+first frames of a clip or a stream (after `reset()`) see copies of its first frame in place of
+the frames before it. The output at frame t depends on frames <= t only.
+
 Temporal filter (issue G3, `temporal.py`). `temporal_filter` (a `temporal.FilterConfig`; default
 the checkpoint config's `temporal` section, none for the shipped checkpoint) smooths the local
 rotations causally at `fps`: `solve` filters each clip from a fresh state (FK outputs recomputed
@@ -50,6 +57,7 @@ to call, one live stream, until `reset()`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -71,6 +79,7 @@ from ik_gat_jax import iterative_ik
 from ik_gat_jax import kinematics
 from ik_gat_jax import padding
 from ik_gat_jax import temporal
+from ik_gat_jax import windows
 from ik_gat_jax.errors import CheckpointError, InputError  # noqa: F401  (also solver.InputError)
 from ik_gat_jax.io import exports
 from ik_gat_jax.io.units import UNITS, parse_units  # noqa: F401  (also solver.parse_units)
@@ -469,13 +478,33 @@ class IKSolver:
     self._frames_cache: dict[bytes, tuple] = {}
     self.temporal_filter = (temporal.from_checkpoint_meta(self.meta) if temporal_filter is None
                             else temporal_filter)
-    if not (math.isfinite(fps) and fps > 0):
-      raise InputError(f'fps must be a positive frame rate, got {fps}')
-    self.fps = float(fps)
-    self._filter_state: temporal.FilterState | None = None
-    self._stream_step = (_make_stream_step(graphdef, self.rig, self._traces, self.refine,
-                                           self.temporal_filter, self.fps)
+    self._graphdef = graphdef
+    # A window model (issue K): each frame with its past frames, 1/window_fps s apart.
+    self.window = int(model.config.window)
+    self.window_fps = float(model.config.window_fps)
+    self.fps = fps  # the property below: the filter's stream step and the window's spacing
+    if self.window > 1 and self.refine is not None:
+      raise InputError('refinement (refine_iters) is for per-frame models; this one has an '
+                       f'input window of {self.window} frames')
+
+  @property
+  def fps(self) -> float:
+    """The input frame rate (Hz) of clips and streams: the temporal filter's rate and, for a
+    window model, the spacing of its past frames. Setting it starts a new stream."""
+    return self._fps
+
+  @fps.setter
+  def fps(self, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+      raise InputError(f'fps must be a positive frame rate, got {value}')
+    self._fps = float(value)
+    self._filter_state = None
+    self._stream_step = (_make_stream_step(self._graphdef, self.rig, self._traces, self.refine,
+                                           self.temporal_filter, self._fps)
                          if self.temporal_filter.active else None)
+    self.window_ratio = self._fps / self.window_fps
+    self._history = (windows.StreamHistory(self.window, self.window_ratio)
+                     if self.window > 1 else None)
 
   @classmethod
   def from_checkpoint(cls, path: str | os.PathLike | None = None, *, offsets=None,
@@ -638,6 +667,8 @@ class IKSolver:
         end_sites = (np.asarray(end_sites, np.float64) * parse_units(units)) @ parse_input_axes(
             input_axes, self.rig).T
     sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
+    if self.window > 1:  # the same causal windows as a stream of these frames (windows.py)
+      sparse = {'history': windows.clip_history(pos, self.window, self.window_ratio)}
     if sparse is not None and 'joint_mask' in sparse and estimate_lengths:
       raise InputError('estimate_lengths needs every joint; give the subject\'s offsets')
     off = self.resolve_offsets(pos, offsets, estimate_lengths)
@@ -701,8 +732,18 @@ class IKSolver:
     return np.asarray(out)[:n]
 
   def reset(self) -> None:
-    """Starts a new stream: the temporal filter forgets the frames `step`/`solve_stream` saw."""
+    """Starts a new stream: the temporal filter and a window model's past frames forget the
+    frames `step`/`solve_stream` saw."""
     self._filter_state = None
+    if self._history is not None:
+      self._history.reset()
+
+  def _stream_history(self, pos: np.ndarray) -> dict[str, np.ndarray] | None:
+    """A window model's `history [n, k-1, J, 3]` of the next frames `pos [n, J, 3]` of the
+    live stream (pushed into its state), else None."""
+    if self._history is None:
+      return None
+    return {'history': np.stack([self._history.push(f) for f in pos])}
 
   def step(self, frame, offsets=None, mask=None, orientations=None,
            orientation_mask=None, end_sites=None) -> np.ndarray:
@@ -721,6 +762,7 @@ class IKSolver:
     sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
     off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
     subject = self._device_subject(off)
+    sparse = self._stream_history(pos) or sparse  # window models take no other sparse input
     if self._stream_step is None:
       return self._run(pos, subject, False, sparse)['local_rot'][0]
     fstate = self._filter_state or temporal.init_state(self.rig.num_joints)
@@ -741,7 +783,8 @@ class IKSolver:
       if pos.shape[0] > self.block_size:
         raise InputError(f'a stream item holds {pos.shape[0]} frames, more than block_size '
                          f'{self.block_size}; use solve() for clips')
-      local = self._filter_stream(self._run(pos, subject, False)['local_rot'])
+      local = self._filter_stream(
+          self._run(pos, subject, False, self._stream_history(pos))['local_rot'])
       yield local[0] if single else local
 
   @property
@@ -755,6 +798,7 @@ class IKSolver:
     frame = (rest_positions_np(self.offsets, self.rig.parents) if frame is None
              else np.asarray(frame, np.float64))
     saved = self._filter_state  # the timing stream must not disturb the user's
+    saved_history = copy.deepcopy(self._history)
     for _ in range(warmup):
       self.step(frame)
     times = []
@@ -762,7 +806,7 @@ class IKSolver:
       t = time.perf_counter()
       self.step(frame)
       times.append(time.perf_counter() - t)
-    self._filter_state = saved
+    self._filter_state, self._history = saved, saved_history
     ms = 1e3 * np.asarray(times)
     return {'n': int(n), 'median_ms': float(np.median(ms)),
             'p99_ms': float(np.percentile(ms, 99)), 'mean_ms': float(ms.mean()),

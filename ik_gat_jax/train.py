@@ -41,7 +41,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ik_gat_jax import checkpointing
 from ik_gat_jax import data as data_lib
+from ik_gat_jax import inference
 from ik_gat_jax import input_pipeline
+from ik_gat_jax import model as model_lib
 from ik_gat_jax.inference import IKGAT_TASK, Task
 from ik_gat_jax.io import atomic
 from ik_gat_jax import provenance
@@ -177,6 +179,33 @@ def init_state(task: Task, config, rig: Rig, train_data):
   return graphdef, state
 
 
+def warm_start_params(params: Any, source: str | os.PathLike, task: Task
+                      ) -> tuple[Any, dict[str, int]]:
+  """`params` with every leaf taken from the trained model at `source` (a run or checkpoint
+  directory of `task`) where the path matches: equal shapes are copied; a leaf that only grew
+  (each dimension >= the source's, e.g. the input projection of a model with more input
+  channels, issue K's window) gets the source in its leading block and zeros elsewhere, so the
+  new model starts as the source's function of its old inputs. Other leaves keep their
+  initialisation. Returns (params, counts of 'copied', 'grown', 'kept')."""
+  model, _ = inference.load_model(source, task)
+  src = {jax.tree_util.keystr(k): v for k, v in
+         jax.tree_util.tree_flatten_with_path(nnx.split(model, nnx.Param, ...)[1])[0]}
+  counts = {'copied': 0, 'grown': 0, 'kept': 0}
+
+  def take(path, leaf):
+    old = src.get(jax.tree_util.keystr(path))
+    if old is None or old.ndim != leaf.ndim or any(a > b for a, b in zip(old.shape, leaf.shape)):
+      counts['kept'] += 1
+      return leaf
+    if old.shape == leaf.shape:
+      counts['copied'] += 1
+      return jnp.asarray(old, leaf.dtype)
+    counts['grown'] += 1
+    return jnp.zeros_like(leaf).at[tuple(slice(0, n) for n in old.shape)].set(old)
+
+  return jax.tree_util.tree_map_with_path(take, params), counts
+
+
 def saved_part(state: dict, keys=('params', 'rest', 'opt_state', 'step')) -> dict:
   """What a checkpoint stores: no RNG streams (reseeded every step by `fold_in`)."""
   return {k: state[k] for k in keys}
@@ -230,16 +259,19 @@ def make_predict(task: Task, graphdef, config, rig: Rig, mesh: Mesh | None = Non
 
 def model_config_diff(saved: Mapping | None, current: Mapping | None) -> list[str]:
   """The fields in which two model configs differ as JSON (sorted), a field missing from a
-  checkpoint made before it existed counting as its off value (False, empty list, None)."""
+  checkpoint made before it existed counting as its default (`ModelConfig`'s, e.g. window 1)
+  or, for a field ModelConfig does not have, its off value (False, empty list, None)."""
   a, b = (json.loads(json.dumps(dict(x or {}))) for x in (saved, current))
   off = (False, [], None, '')
-  return sorted([k for k in set(a) ^ set(b) if (a if k in a else b)[k] not in off] +
+  defaults = json.loads(json.dumps(model_lib.ModelConfig().to_dict()))
+  absent = lambda k, v: v == defaults[k] if k in defaults else v in off
+  return sorted([k for k in set(a) ^ set(b) if not absent(k, (a if k in a else b)[k])] +
                 [k for k in set(a) & set(b) if a[k] != b[k]])
 
 
 def same_model_config(saved: Mapping | None, current: Mapping | None) -> bool:
   """Model configs equal as JSON, a field missing from a checkpoint made before it existed
-  counting as its off value (False, empty list, None)."""
+  counting as its default (`model_config_diff`)."""
   return not model_config_diff(saved, current)
 
 
@@ -289,6 +321,16 @@ class MetricWriter:
 def _wants_end_sites(config) -> bool:
   """Training batches carry end sites (issue G2) when augmentation may give them to the model."""
   return float(config.get('augment', {}).get('end_site_prob', 0.0)) > 0
+
+
+def check_window_fps(config, train_data) -> None:
+  """A window model (issue K) trains on windows of k consecutive frames of the shards, so its
+  `window_fps` must be their rate: a ValueError naming both otherwise."""
+  if inference.window_of(config) > 1:
+    fps = float(config.model.get('window_fps', 30.0))
+    if abs(fps - train_data.fps) > 1e-6 * fps:
+      raise ValueError(f'model.window_fps={fps:g} but {config.data} is at {train_data.fps:g} '
+                       f'fps: set --config.model.window_fps={train_data.fps:g}')
 
 
 def _fmt_eta(seconds: float) -> str:
@@ -366,10 +408,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   val_data = (data_lib.load_shards(config.data, 'val')
               if 'val' in data_lib.available_splits(config.data) else None)
   rig = train_data.rig
+  check_window_fps(config, train_data)
   data_info = provenance.data_provenance(train_data)
   graphdef, state = init_state(task, config, rig, train_data)
-  state = place_state(state, mesh)  # first: the abstract tree below takes this mesh's shardings
   latest = checkpointing.Checkpointer(workdir / 'checkpoints' / 'latest', max_to_keep=1)
+  if tc.get('init_from') and latest.latest_step() is None:  # a fresh run only; resume restores
+    params, counts = warm_start_params(state['params'], tc.init_from, task)
+    state = {**state, 'params': params}
+    log(f'initialised from {tc.init_from}: {counts["copied"]} parameters copied, '
+        f'{counts["grown"]} grown (zeros in the new part), {counts["kept"]} newly initialised')
+  state = place_state(state, mesh)  # first: the abstract tree below takes this mesh's shardings
   best = checkpointing.Checkpointer(workdir / 'checkpoints' / 'best', max_to_keep=1)
   best_value = math.inf
   if latest.latest_step() is not None:
@@ -427,7 +475,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   pipeline = input_pipeline.Prefetcher(
       ((s, to_global(b, mesh, tc.batch_size)) for s, _, b in input_pipeline.host_batches(
           train_data, tc.batch_size, config.seed, step, tc.steps, jax.process_index(),
-          jax.process_count(), end_sites=_wants_end_sites(config))), depth=tc.get('prefetch', 2))
+          jax.process_count(), end_sites=_wants_end_sites(config),
+          window=inference.window_of(config))), depth=tc.get('prefetch', 2))
   progress = _Progress(step, pipeline)
   stopper = GracefulStop(log)
   try:

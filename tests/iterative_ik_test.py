@@ -228,8 +228,8 @@ def test_solver_config_validates_and_flops_are_counted():
 def _small_prior(rig):
   """A random, smooth 8-D decoder (see vposer's docstring on the activation)."""
   config = vposer.VAEConfig(latent=8, hidden=64)
-  model = vposer.PosePrior(config, rig.num_joints, input_std=(0.5,) * (6 * (rig.num_joints - 1)),
-                           rngs=nnx.Rngs(0))
+  model = vposer.PosePrior(config, rig.num_joints, parents=rig.parents,
+                           input_std=(0.5,) * (6 * (rig.num_joints - 1)), rngs=nnx.Rngs(0))
   return model, config
 
 
@@ -239,10 +239,10 @@ def _decoded_targets(model, z, seed, rig=RIG, one_root=False):
   n = 1 if one_root else z.shape[0]
   root = rotations.matrix_from_axis_angle(jax.random.normal(k_root, (n, 3)))
   root_pos = jax.random.normal(k_pos, (n, 3))
-  decoded = model.decode(z)
+  off = jnp.asarray(rig.template(), jnp.float32)
+  decoded = model.decode(z, bone_frames.bone_frames(off, rig))  # a bone-chart prior
   root = jnp.broadcast_to(root, (z.shape[0], 3, 3))
   local = jnp.concatenate([root[:, None], decoded], axis=1)
-  off = jnp.asarray(rig.template(), jnp.float32)
   _, pos = kinematics.forward_kinematics(local, off, rig.parents,
                                          jnp.broadcast_to(root_pos, (z.shape[0], 3)))
   return off, pos

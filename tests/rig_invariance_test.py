@@ -15,10 +15,13 @@ margin, 9e-4 degrees). Positions (metres, lever arms under 2 m): POS_TOL = 2 m *
 m. Float64 checks use 1e-9.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from data_prep import conversion
 from data_prep import rerig
@@ -30,6 +33,7 @@ from ik_gat_jax import kinematics
 from ik_gat_jax import metrics
 from ik_gat_jax import rotations
 from ik_gat_jax import skeleton
+from ik_gat_jax import vposer
 from ik_gat_jax.io import bvh
 from ik_gat_jax.io import retarget
 
@@ -339,3 +343,115 @@ def test_bone_chart_targets_are_the_same_on_every_rig(clip, rerigged, space):
   np.testing.assert_allclose(out['rerig', True], out['orig', True], atol=1e-9)
   leaves = [j for j, c in enumerate(RIG.designated_children) if c < 0]
   assert np.abs(out['rerig', False][:, leaves] - out['orig', False][:, leaves]).max() > 0.5
+
+
+# ----------------------------------------------------------------------------------------------
+# The iterative solvers and the pose prior in the bone-frame chart.
+#
+# Tolerance. Adam's step per coordinate is `lr m / (sqrt(v) + eps_adam)`, whose sensitivity to
+# the gradient is at most `lr / eps_adam` (reached at a zero gradient: an unobserved twist, a
+# redundant 6D direction). The two rigs' gradients are equal in exact arithmetic and differ by
+# round-off `dg <= n eps G` (n = 64 operations deep, FK chain + chart + decoder; G the largest
+# gradient entry, < 200 here: 2 w_data x 9 joints x position errors and lever arms under 1 m), so
+# k iterations move the solutions apart by about `k lr n eps G / eps_adam` at most (the steps'
+# perturbations added up; matrix entries): 10 iterations, float64: 2.8e-8 (measured 7e-13). In
+# float32 the same bound is 15, nothing: Adam turns round-off in the directions the positions
+# cannot see into steps of up to lr, which is why these checks run in float64. Measured in
+# float32 on all 21 joints, 4 frames: at most 5e-3 rad after 10 iterations, 2e-2 after 100 with
+# `adam_eps` 1e-4 (the mean error of 60 frames agrees to 0.002 deg); 0.7 rad after 10 with
+# Adam's usual 1e-8 (iterative_ik.SolverConfig). Found by this test: the joint chart
+# (`SolverConfig(bone_chart=False)`, the solver before issue L) ends 0.55 apart after 10
+# iterations, in float64 too; a joint-chart prior's latent solve 2.0.
+
+LEGS = ('Hips', 'LeftUpLeg', 'LeftLeg', 'LeftFoot', 'LeftToeBase', 'RightUpLeg', 'RightLeg',
+        'RightFoot', 'RightToeBase')
+SOLVER = iterative_ik.SolverConfig(iters=10)
+SOLVER_TOL = SOLVER.iters * SOLVER.lr * 64 * float(np.finfo(np.float64).eps) * 200 / SOLVER.adam_eps
+
+
+@pytest.fixture(scope='module')
+def legs(clip):
+  """cmu_body's hips and legs (a determined root, swing joints, leaves) on 3 frames of 07_12,
+  as they are and under random binds, float64: the solvers compile in half the time of all 21
+  joints."""
+  idx = [RIG.index(n) for n in LEGS]
+  parents = tuple(-1 if RIG.parents[j] < 0 else idx.index(RIG.parents[j]) for j in idx)
+  rig = skeleton.make_rig('cmu_legs', LEGS, parents, RIG.template()[idx], up=RIG.up,
+                          forward=RIG.forward)
+  A = _random_rotations(rig.num_joints, seed=11)
+  frames = [5, 25, 45]
+  local = clip['local'][frames][:, idx]
+  positions, offsets = clip['positions'][frames][:, idx], clip['offsets'][idx]
+  return {'rig': rig, 'binds': A, 'positions': positions,
+          'orig': {'rig': rig, 'local': local, 'offsets': offsets},
+          'rerig': {'rig': rerig_rig(rig, A), 'local': rerig_local(local, A, rig),
+                    'offsets': rerig_offsets(offsets, A, rig)}}
+
+
+def _local_errors(R, case):
+  return np.asarray(rotations.geodesic_angle(jnp.asarray(R), jnp.asarray(case['local'])))
+
+
+def _check_same_solution(legs, solve):
+  """`solve(positions, offsets, rig) -> local` on both rigs, float64: the re-rigged solution is
+  the original's under the binds, and every joint's error is the same."""
+  with jax.enable_x64(True):
+    P = jnp.asarray(legs['positions'])
+    R, R2 = (np.asarray(solve(P, jnp.asarray(c['offsets']), c['rig']))
+             for c in (legs['orig'], legs['rerig']))
+    apart = np.abs(R2 - rerig_local(R, legs['binds'], legs['rig'])).max()
+    assert apart < SOLVER_TOL, apart
+    np.testing.assert_allclose(_local_errors(R2, legs['rerig']), _local_errors(R, legs['orig']),
+                               atol=SOLVER_TOL)
+
+
+def test_rotation_solver_takes_the_same_path_on_every_rig(legs):
+  """Iterative IK without a prior optimises the 6D of the bone-frame chart: the same start, the
+  same loss as a function of its parameters, so Adam's path and the solution are the same."""
+  _check_same_solution(legs, lambda p, o, rig: iterative_ik.solve_rotations_jit(
+      p, o, rig, SOLVER)[0])
+
+
+def _chart_prior(rig, bone_chart=True):
+  """An untrained prior (latent 8, width 32; std 0.5 so its poses are not all near the mean)."""
+  config = vposer.VAEConfig(latent=8, hidden=32, bone_chart=bone_chart)
+  return vposer.PosePrior(config, rig.num_joints, parents=rig.parents,
+                          input_std=(0.5,) * (6 * (rig.num_joints - 1)), rngs=nnx.Rngs(0))
+
+
+def test_bone_chart_prior_is_the_same_on_every_rig(clip, binds, rerigged):
+  """`VAEConfig.bone_chart`: the training data in the prior's chart (hence its standardisation
+  and learned distribution) are identical on both rigs, encoding gives the same latent, and one z
+  decodes to poses related exactly by the binds (float64: 1e-9). Found by this test: a
+  joint-chart prior (the shipped one) encodes the same motion on the two rigs to different
+  latents."""
+  prior, joint_prior = _chart_prior(RIG), _chart_prior(RIG, bone_chart=False)
+
+  @functools.partial(jax.jit, static_argnums=3)  # op by op, the per-joint chart compiles slowly
+  def one_rig(R, offsets, z, rig):
+    B = bf.bone_frames(offsets, rig)
+    return {'L': vposer.to_bone_chart(R, B, rig.parents), 'mu': prior.encode(R, B)[0],
+            'mu_joint': joint_prior.encode(R)[0], 'decoded': prior.decode(z, B)}
+
+  with jax.enable_x64(True):
+    z = jax.random.normal(jax.random.key(0), (5, 8), jnp.float64)
+    a, b = (jax.tree.map(np.asarray, one_rig(jnp.asarray(d['local'][::4]),
+                                             jnp.asarray(d['offsets']), z, rig))
+            for d, rig in ((clip, RIG), (rerigged, rerigged['rig'])))
+  np.testing.assert_allclose(vposer.standardization_stats(b['L']),
+                             vposer.standardization_stats(a['L']), atol=1e-9)
+  np.testing.assert_allclose(b['mu'], a['mu'], atol=1e-9)
+  full = lambda D: np.concatenate([np.broadcast_to(np.eye(3), D.shape[:1] + (1, 3, 3)), D], 1)
+  np.testing.assert_allclose(b['decoded'], rerig_local(full(a['decoded']), binds, RIG)[:, 1:],
+                             atol=1e-9)
+  assert np.abs(b['mu_joint'] - a['mu_joint']).max() > 0.1
+
+
+def test_latent_solver_takes_the_same_path_on_every_rig(legs):
+  """Iterative IK with a bone-chart prior: the decoder's rotations and the root in the chart, so
+  the latent solve is the same on both rigs (the prior's weights are the same: a bone-chart
+  prior does not depend on the bind)."""
+  decode, params = vposer.decoder(_chart_prior(legs['rig']))
+  assert decode.bone_chart
+  _check_same_solution(legs, lambda p, o, rig: iterative_ik.solve_latent_jit(
+      p, o, decode, params, rig, SOLVER, latent_dim=8)[0])

@@ -24,7 +24,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict(dict(
       steps=5_000, batch_size=256, lr=2e-3, final_lr_fraction=0.01, warmup_steps=300,
       weight_decay=1e-4, clip_norm=1.0, log_every=100, eval_every=500,
-      checkpoint_every=500, val_frames=4096, eval_batch_size=1024, prefetch=2))
+      checkpoint_every=500, val_frames=4096, eval_batch_size=1024, prefetch=2,
+      # A trained run or checkpoint to start from (train.warm_start_params: matching
+      # parameters copied, grown ones zero-padded); '' = a fresh initialisation.
+      init_from=''))
   c.loss = ml_collections.ConfigDict(dict(alpha=0.1))
   c.augment = ml_collections.ConfigDict(dict(yaw=True, mirror=0.5, bone_scale=0.07,
                                              noise_mm=0.0))
@@ -43,6 +46,12 @@ def get_config() -> ml_collections.ConfigDict:
   # The 'robust' ablation rows use noise_mm_max=50, clean_frac=0.2, bone_jitter=0.02,
   # outlier_prob=0.05.
   c.augment.update(noise_mm_max=0.0, clean_frac=0.0, bone_jitter=0.0, outlier_prob=0.0)
+  # Time-correlated tracker errors for window models (issue K, config.model.window > 1;
+  # input_pipeline.temporal_noise; 0 = off): per-sample level U[0, bias_mm] of a per-joint
+  # offset constant over the window (drift); probability a sample holds one joint at its last
+  # good position for the last 1..k-1 frames (dropout); probability a window starts a stream
+  # (older frames copies of the oldest kept). experiments/configs/temporal.py sets them.
+  c.augment.update(bias_mm=0.0, hold_prob=0.0, window_start_prob=0.0)
   # Causal temporal filter of the output rotations (issue G3, ik_gat_jax/temporal.py), saved in
   # the checkpoint: IKSolver / ik_gat_jax.solve / experiments.evaluate use it unless a --filter
   # flag overrides; validation logs the filtered error and jitter. Off: on clean CMU input IK-GAT

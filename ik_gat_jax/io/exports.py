@@ -1,4 +1,4 @@
-"""The solver's files: positions in (npz, csv, BVH), rotations out (npz, BVH, SMPL npz, GLB).
+"""The solver's files: positions in (npz, csv, BVH), rotations out (npz, BVH, SMPL npz, GLB, FBX).
 
 Readers return positions `[T, J, 3]` in the rig's joint order:
 - npz: key `positions` (or the only array), `[T, J, 3]` or `[J, 3]`, input units; optional
@@ -29,6 +29,11 @@ refused unless `overwrite`):
   rotation identity), the local rotations and the root position as LINEAR channels at t / fps,
   and a body of boxes, each rigidly skinned to its joint. Metres, y up; a rig with other axes
   sits under one fixed rotation node. Details in `io.gltf`'s docstring.
+- FBX (`write_solution_fbx`; needs Blender on PATH, else one line saying what to install): the
+  GLB above, converted by headless Blender (`io.blender`: its import / export settings, axes
+  and units): the same joint names, hierarchy, rest offsets, skinned box body and motion, baked
+  at every frame at the clip's rate; metres (`UnitScaleFactor` 100, no scaled node), y up,
+  +z forward as the GLB.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from ik_gat_jax import padding
 from ik_gat_jax import rotations
 from ik_gat_jax.errors import ConversionError, InputError
 from ik_gat_jax.io import atomic
+from ik_gat_jax.io import blender
 from ik_gat_jax.io import bvh
 from ik_gat_jax.io import gltf
 from ik_gat_jax.io import retarget
@@ -392,3 +398,20 @@ def write_solution_glb(path: str | os.PathLike, sol, rig: Rig, fps: float,
                        overwrite: bool = True) -> None:
   """`io.gltf.solution_glb` of a `solver.Solution` (glTF 2.0 binary), written atomically."""
   gltf.write_solution_glb(check_output(path, overwrite), sol, rig, fps, overwrite=True)
+
+
+def write_solution_fbx(path: str | os.PathLike, sol, rig: Rig, fps: float,
+                       overwrite: bool = True, names: Sequence[str] | None = None) -> None:
+  """FBX of a `solver.Solution` (module docstring): the GLB written to a temporary folder,
+  converted by headless Blender into a temp file beside `path`, then renamed into place. Raises
+  `blender.BlenderMissing` without Blender and `blender.BlenderError` when it fails or passes
+  `blender.timeout_s(frames)`; `path` is untouched then."""
+  path = check_output(path, overwrite)
+  exe = blender.require_blender('FBX output')
+  names = list(rig.joint_names if names is None else names)
+  whole, _ = blender.fps_setting(fps)
+  with tempfile.TemporaryDirectory(prefix='ik_gat_fbx_') as tmp:
+    glb = Path(tmp) / f'{path.stem}.glb'
+    glb.write_bytes(gltf.solution_glb(sol, rig, whole, names))  # keys on whole frames
+    with atomic.atomic_path(path, '.fbx') as out:
+      blender.glb_to_fbx(glb, out, fps, sol.num_frames, names, blender=exe)

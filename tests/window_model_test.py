@@ -1,0 +1,251 @@
+"""The causal window model (issue K): windows, their noise, causality, stream == clip."""
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from ik_gat_jax import data as data_lib
+from ik_gat_jax import evaluation
+from ik_gat_jax import inference
+from ik_gat_jax import input_pipeline
+from ik_gat_jax import kinematics
+from ik_gat_jax import model as model_lib
+from ik_gat_jax import train
+from ik_gat_jax import windows
+from ik_gat_jax.skeleton import get_rig
+from ik_gat_jax.solver import IKSolver
+
+RIG = get_rig('cmu_body')
+K = 4
+
+
+def test_run_starts_split_at_files_and_gaps():
+  file_id = np.asarray([0, 0, 0, 1, 1, 1, 1, 1])
+  frame_index = np.asarray([0, 1, 2, 0, 1, 5, 6, 7])  # a gap between 1 and 5 in file 1
+  np.testing.assert_array_equal(windows.run_starts(file_id, frame_index),
+                                [0, 0, 0, 3, 3, 5, 5, 5])
+  i0, i1, w = windows.history_sources(np.arange(8), windows.run_starts(file_id, frame_index), 3)
+  np.testing.assert_array_equal(i0, [[0, 0], [0, 0], [0, 1], [3, 3], [3, 3], [5, 5], [5, 5],
+                                     [5, 6]])
+  assert not np.any(w) and np.all(i1 <= np.arange(8)[:, None])
+
+
+@pytest.mark.parametrize('ratio', [1.0, 2.0, 1.7, 0.5])
+def test_stream_history_is_clip_history_bit_for_bit(ratio):
+  x = np.random.default_rng(0).normal(size=(23, 5, 3)).astype(np.float32)
+  clip = windows.clip_history(x, 6, ratio)
+  stream = windows.StreamHistory(6, ratio)
+  got = np.stack([stream.push(f) for f in x])
+  np.testing.assert_array_equal(got, clip)
+  stream.reset()
+  np.testing.assert_array_equal(np.stack([stream.push(f) for f in x[5:]]),
+                                windows.clip_history(x[5:], 6, ratio))
+  # Past frame i of frame t sits i * ratio frames back (linear in between), clamped at frame 0.
+  t = 20
+  tau = np.maximum(t - ratio * np.arange(5, 0, -1), 0)
+  expect = np.stack([np.interp(tau, np.arange(23), x[:, j, c]) for j in range(5)
+                     for c in range(3)], -1).reshape(5, 5, 3)
+  np.testing.assert_allclose(clip[t], expect, atol=1e-5)
+
+
+def test_gathered_windows_are_past_frames_of_the_same_file(cmu_shards):
+  data = data_lib.load_shards(cmu_shards, 'train')
+  idx = np.asarray([0, 1, 5, len(data.positions) - 1, int(np.argmax(np.diff(data.file_id))) + 1,
+                    int(np.argmax(np.diff(data.file_id))) + 2, 100])
+  batch = input_pipeline.gather_batch(data, idx, window=K)
+  assert batch['history'].shape == (len(idx), K - 1, RIG.num_joints, 3)
+  for row, t in enumerate(idx):
+    for i in range(K - 1):
+      back = K - 1 - i
+      src = t - back
+      if src < 0 or data.file_id[src] != data.file_id[t]:  # clamped to the file's first frame
+        src = int(np.flatnonzero(data.file_id == data.file_id[t])[0])
+      np.testing.assert_array_equal(batch['history'][row, i], data.positions[src])
+      np.testing.assert_array_equal(batch['history_local_rot'][row, i], data.local_rot[src])
+
+
+AUG = ml_collections.ConfigDict(dict(yaw=True, mirror=0.5, bone_scale=0.07, noise_mm=0.0))
+
+
+def _window_batch(data, idx):
+  b = input_pipeline.gather_batch(data, idx, window=K)
+  return {k: np.asarray(v) for k, v in b.items()}
+
+
+def test_augment_windows_one_body_per_window(cmu_shards):
+  """Mirror, bone scale and yaw are drawn once per window: a window of one repeated frame stays
+  repeated, and every frame of a real window has the current frame's bone lengths."""
+  data = data_lib.load_shards(cmu_shards, 'train')
+  batch = _window_batch(data, np.arange(40, 104))
+  out = input_pipeline.augment_windows(batch, jax.random.key(3), AUG, RIG)
+  parents = np.asarray(RIG.parents[1:])
+  bones = lambda p: np.linalg.norm(p[..., 1:, :] - p[..., parents, :], axis=-1)
+  past = bones(np.asarray(out['history']))
+  np.testing.assert_allclose(past, np.broadcast_to(
+      bones(np.asarray(out['input_positions']))[:, None], past.shape), atol=2e-6)
+  # The targets are the augmented current frame: FK of its rotations gives its positions.
+  _, p = kinematics.forward_kinematics(out['local_rot'], out['offsets'], RIG.parents,
+                                       out['positions'][:, 0])
+  np.testing.assert_allclose(p, out['positions'], atol=2e-6)
+  still = {**batch, 'history': np.repeat(batch['positions'][:, None], K - 1, 1),
+           'history_local_rot': np.repeat(batch['local_rot'][:, None], K - 1, 1)}
+  out = input_pipeline.augment_windows(still, jax.random.key(4), AUG, RIG)
+  np.testing.assert_allclose(out['history'], np.repeat(
+      np.asarray(out['input_positions'])[:, None], K - 1, 1), atol=2e-6)
+
+
+def test_temporal_noise_parts_have_their_statistics():
+  B, k, J = 4000, 8, RIG.num_joints
+  x = np.zeros((B, k, J, 3), np.float32)
+  aug = ml_collections.ConfigDict(dict(bias_mm=20.0, hold_prob=0.3, window_start_prob=0.25,
+                                       clean_frac=0.2))
+  base = np.asarray(jax.random.normal(jax.random.key(1), (B, k, J, 3)))
+  y, info = input_pipeline.temporal_noise(jax.random.key(0), x, aug, RIG, return_info=True)
+  level = np.asarray(info['bias_mm'])
+  assert abs(np.mean(level == 0) - 0.2) < 0.03  # clean samples: no bias
+  assert abs(level[level > 0].mean() - 10.0) < 0.5  # U[0, 20]
+  # Only a bias (the zero input has nothing to hold): constant over the window, std b / sqrt(3)
+  # over the dirty samples (E[s^2] = b^2 / 3), except where the stream start repeats a frame.
+  np.testing.assert_allclose(np.asarray(y), np.asarray(y)[:, -1:].repeat(k, 1), atol=0)
+  dirty = level > 0
+  assert abs(1e3 * np.asarray(y)[dirty].std() - 20 / np.sqrt(3)) < 0.4
+  # Hold: the joint repeats frame k-1-h's value for the last h frames; others untouched.
+  y, info = input_pipeline.temporal_noise(
+      jax.random.key(0), base, ml_collections.ConfigDict(dict(hold_prob=0.3)), RIG,
+      return_info=True)
+  y, joint, h = np.asarray(y), np.asarray(info['hold_joint']), np.asarray(info['hold_frames'])
+  assert abs(np.mean(joint >= 0) - 0.3) < 0.03 and set(h[joint >= 0]) == set(range(1, k))
+  for b in np.flatnonzero(joint >= 0)[:50]:
+    j = joint[b]
+    np.testing.assert_array_equal(y[b, k - h[b]:, j], np.repeat(base[b, k - 1 - h[b], j][None],
+                                                               h[b], 0))
+    np.testing.assert_array_equal(y[b, :k - h[b]], base[b, :k - h[b]])
+  np.testing.assert_array_equal(y[joint < 0], base[joint < 0])
+  # Stream starts: frames older than the kept ones are copies of the oldest kept one.
+  y, info = input_pipeline.temporal_noise(
+      jax.random.key(0), base, ml_collections.ConfigDict(dict(window_start_prob=0.25)), RIG,
+      return_info=True)
+  y, kept = np.asarray(y), np.asarray(info['start_kept'])
+  assert abs(np.mean(kept < k - 1) - 0.25) < 0.03
+  for b in range(200):
+    first = k - 1 - kept[b]
+    np.testing.assert_array_equal(y[b, first:], base[b, first:])
+    np.testing.assert_array_equal(y[b, :first], np.repeat(base[b, first][None], first, 0))
+  with pytest.raises(ValueError, match='hold_prob'):
+    input_pipeline.temporal_noise(jax.random.key(0), base,
+                                  ml_collections.ConfigDict(dict(hold_prob=2.0)), RIG)
+
+
+@pytest.fixture(scope='module')
+def window_solver():
+  config = model_lib.ModelConfig(size='tiny', output_space='mixed', window=K,
+                                 heading_canonicalization=True, observed_direction_head=True)
+  model = model_lib.create_model(config, RIG, nnx.Rngs(0))
+  # Untrained heads start near the identity: perturb every parameter so outputs depend on
+  # the history channels too.
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  leaves = [p + 0.2 * jax.random.normal(kk, p.shape) for p, kk in zip(leaves, keys)]
+  model = nnx.merge(graphdef, jax.tree.unflatten(tree, leaves), rest)
+  return IKSolver(model, {'config': {'model': config.to_dict()}}, block_size=16)
+
+
+def _clip(cmu_shards, n=40):
+  return np.asarray(data_lib.load_shards(cmu_shards, 'val').positions[:n], np.float64)
+
+
+def test_window_model_is_causal_bit_for_bit(window_solver, cmu_shards):
+  clip = _clip(cmu_shards)
+  out = window_solver.solve(clip, check=False)
+  for t, value in ((9, 1e6), (30, 1e6), (17, -3e5)):
+    later = clip.copy()
+    later[t + 1:] = value
+    got = window_solver.solve(later, check=False)
+    np.testing.assert_array_equal(got[:t + 1], out[:t + 1])
+    assert np.abs(got[t + 1:t + K] - out[t + 1:t + K]).max() > 1e-3  # it does use the past
+
+
+def test_window_stream_equals_clip(window_solver, cmu_shards):
+  clip = _clip(cmu_shards, 24)
+  whole = window_solver.solve(clip)
+  window_solver.reset()
+  stream = np.stack([window_solver.step(f) for f in clip])
+  # Same windows and weights bit for bit (test above); the network runs at batch 1 here and in
+  # buckets of 16 and 8 there, whose float32 reductions may round differently: 1e-5 is ~100x
+  # float32 epsilon on entries of size <= 1.
+  np.testing.assert_allclose(stream, whole, atol=1e-5)
+  window_solver.reset()
+  again = np.stack([window_solver.step(f) for f in clip[:5]])
+  np.testing.assert_array_equal(again, stream[:5])  # reset() forgets the past frames
+  window_solver.reset()
+  batched = np.concatenate(list(window_solver.solve_stream([clip[:10], clip[10:13], clip[13:]])))
+  np.testing.assert_allclose(batched, whole, atol=1e-5)
+  window_solver.reset()
+
+
+def test_window_training_and_evaluation(cmu_shards, tiny_config, tmp_path):
+  c = tiny_config(cmu_shards, model=dict(window=K, output_space='mixed',
+                                         observed_direction_head=True,
+                                         heading_canonicalization=True),
+                  train=dict(steps=4, eval_every=4, checkpoint_every=4, val_frames=128))
+  c.augment.update(noise_mm_max=30.0, clean_frac=0.2, bias_mm=10.0, hold_prob=0.1,
+                   window_start_prob=0.1, yaw=False)
+  val = train.train_and_evaluate(c, tmp_path / 'run', log=lambda m: None)
+  assert np.isfinite(val['local_rot_err_deg'])
+  method = evaluation.ikgat_method(tmp_path / 'run', RIG, chunk=64)
+  assert method.info['input_window'] == K
+  r = evaluation.evaluate(method, data_lib.load_shards(cmu_shards, 'val'), RIG, max_frames=100,
+                          noise_mm=10.0)
+  assert np.isfinite(r['local_rot_err_deg']) and 'jitter_ratio' in r
+  bad = tiny_config(cmu_shards, model=dict(window=K, window_fps=60.0))
+  with pytest.raises(ValueError, match='window_fps=60 but .* at 30 fps'):
+    train.train_and_evaluate(bad, tmp_path / 'bad', log=lambda m: None)
+  with pytest.raises(ValueError, match='full-body positions only'):
+    model_lib.ModelConfig(window=K, joint_mask=True)
+
+
+def test_window_model_refuses_missing_history():
+  model = model_lib.create_model(model_lib.ModelConfig(size='tiny', window=K), RIG, nnx.Rngs(0))
+  x = np.zeros((2, RIG.num_joints, 3), np.float32)
+  with pytest.raises(ValueError, match='needs history'):
+    model(x, deterministic=True)
+  flat = model_lib.create_model(model_lib.ModelConfig(size='tiny'), RIG, nnx.Rngs(0))
+  with pytest.raises(ValueError, match='takes no history'):
+    flat(x, deterministic=True, history=np.zeros((2, K - 1, RIG.num_joints, 3), np.float32))
+
+
+def test_warm_start_from_a_per_frame_run_keeps_its_function(tiny_ikgat_run, cmu_shards):
+  """A window model warm-started from a per-frame run (train.init_from) is that run's model
+  until it trains: the history channels start at zero weight."""
+  flat, meta = inference.load_model(tiny_ikgat_run)
+  config = model_lib.ModelConfig.from_dict({**meta['config']['model'], 'window': K})
+  model = model_lib.create_model(config, RIG, nnx.Rngs(5))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  params, counts = train.warm_start_params(params, tiny_ikgat_run, inference.IKGAT_TASK)
+  assert counts['grown'] == 1 and counts['kept'] == 0 and counts['copied'] > 5
+  model = nnx.merge(graphdef, params, rest)
+  x = np.asarray(data_lib.load_shards(cmu_shards, 'val').positions[:8], np.float32)
+  history = np.random.default_rng(0).normal(size=(8, K - 1, RIG.num_joints, 3)).astype(
+      np.float32)
+  np.testing.assert_allclose(model(x, deterministic=True, history=history),
+                             flat(x, deterministic=True), atol=1e-5)
+
+
+def test_window_is_in_seconds_at_any_fps(window_solver, cmu_shards):
+  """The same motion at 60 fps (a frame inserted between every two) gives, on the original
+  frames, the 30 fps outputs: past frames are taken 1/window_fps s back, not k frames back."""
+  clip = _clip(cmu_shards, 20)
+  at30 = window_solver.solve(clip)
+  fine = np.empty((2 * len(clip) - 1,) + clip.shape[1:])
+  fine[0::2], fine[1::2] = clip, 0.5 * (clip[1:] + clip[:-1])
+  try:
+    window_solver.fps = 60.0
+    assert window_solver.window_ratio == 2.0
+    at60 = window_solver.solve(fine)
+  finally:
+    window_solver.fps = 30.0
+  # Identical windows on the even frames; the batch differs (buckets), hence the tolerance.
+  np.testing.assert_allclose(at60[0::2], at30, atol=1e-5)
