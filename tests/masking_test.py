@@ -140,8 +140,8 @@ def _float64_copy(model):
 
 
 def test_shipped_checkpoint_output_unchanged():
-  """The shipped model's output on 4 synthetic poses, computed with the code from before G2 on
-  another machine (tests/data/make_golden.py names the commit), is reproduced up to float32
+  """The shipped model's output on 4 synthetic poses, computed with the code of a named commit
+  (tests/data/README.md; possibly on another machine) is reproduced up to float32
   round-off. The tolerance is derived here, in this process: the same forward in float64 is
   the exact answer up to ~1e-15, so e32 = max |out32 - out64| is this machine's float32
   round-off through the network's depth (~3e-6 measured on the rotation entries). The golden's

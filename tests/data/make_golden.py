@@ -1,6 +1,7 @@
 """Regenerates tests/data/shipped_golden_g2.npz: the shipped IK-GAT's output on 4 synthetic poses,
-computed with the code of a named commit (default: 29aca5f, the last commit before issue G2
-changed the model), so the test proves that later code leaves existing models unchanged.
+computed with the code of a named commit (default: d702572, the first commit whose code reads the
+shipped robust model of issue J), so the test proves that later code leaves existing models
+unchanged.
 
     python tests/data/make_golden.py [--commit=SHA] [--checkpoint=checkpoints/ikgat_base]
 
@@ -25,7 +26,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent / 'shipped_golden_g2.npz'
-DEFAULT_COMMIT = '29aca5f'
+DEFAULT_COMMIT = 'd702572'
 NUM_POSES, SEED = 4, 20260
 
 
