@@ -1,11 +1,14 @@
 """Default IK-GAT training config (base size, CMU shards).
 
-The recipe of the shipped base model (checkpoints/ikgat_base). Command (about 20-33 minutes on
-the 2-core CPU for 5,000 steps of batch 256 at base size, depending on what else runs):
+The base recipe. The model shipped before issue J (checkpoints/ikgat_base_v1) is this config
+with `--config.model.bone_chart=False`; command (about 20-33 minutes on the 2-core CPU for
+5,000 steps of batch 256 at base size, depending on what else runs):
   python -m data_prep.bvh_to_shards --input=../shared/data/cmu --rig=cmu_body --output=/tmp/cmu
   python -m experiments.train --data=/tmp/cmu --workdir=runs/base --size=base --steps=5000
 Expected: val local-rotation error 6.2 deg after 20 minutes and 5.8 at the end, below both
-floors of DESIGN section 6 (swing-only IK 15.6, mean pose 21.6; BENCHMARKS.md).
+floors of DESIGN section 6 (swing-only IK 15.6, mean pose 21.6; BENCHMARKS.md). The shipped
+model (checkpoints/ikgat_base, issue J) adds the tracker noise model and the robust model
+options as flags; its card has the commands.
 """
 
 import ml_collections
