@@ -369,8 +369,9 @@ def _card_extra(o: Options, w: Path, summary: dict, results: dict, export: Path,
             f'{f["sha256"][:16]} |' for f in files]
   lines += ['', '## Solving with it', '', f'`{solve_command(export, summary, o)}`', '',
             'The output BVH has the rig\'s joints with their source names (joints the rig '
-            'left out, such as constant-rotation joints, are not written), ZYX Euler channels, '
-            'centimetres (`--bvh_units=m` for metres) and the rig\'s y-up world.', '',
+            'left out, such as constant-rotation joints, are not written), the input BVH\'s '
+            'rotation order per joint and its units (`--bvh_units=cm|m|NUMBER` to choose) and '
+            'the rig\'s y-up world.', '',
             f'Made by `{provenance.command_line()}` (workdir {w.absolute()}).']
   return '\n'.join(lines)
 

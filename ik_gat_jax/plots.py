@@ -269,6 +269,16 @@ def _extent(bodies: Sequence[Body], frames: Sequence[int], rig: Rig
   return (lo + hi) / 2, (hi - lo) / 2
 
 
+def _error_scene(offsets: np.ndarray, rig: Rig, bodies: Sequence[Body], frames: Sequence[int]):
+  """What every error-body picture needs: pyplot, the colour map, the frames as ints, the box
+  faces and sides on `offsets`, and the shared view (`_extent`)."""
+  plt = pyplot()
+  frames = [int(t) for t in frames]
+  rel, half = _extent(bodies, frames, rig)
+  return (plt, plt.get_cmap(ERROR_CMAP), frames, _box_faces(offsets, rig), _sides(offsets, rig),
+          rel, half)
+
+
 def plot_error_bodies(path: str | os.PathLike, offsets: np.ndarray, rig: Rig,
                       bodies: Sequence[Body], frames: Sequence[int], vmax: float = 30.0,
                       title: str = '') -> None:
@@ -276,12 +286,7 @@ def plot_error_bodies(path: str | os.PathLike, offsets: np.ndarray, rig: Rig,
   others coloured by error, one colour bar 0..`vmax` degrees). The box body of `io.gltf` on
   `offsets [J, 3]`, each box moving rigidly with its joint: a twist error turns the (flat) box
   about its bone."""
-  plt = pyplot()
-  cmap = plt.get_cmap(ERROR_CMAP)
-  frames = [int(t) for t in frames]
-  faces = _box_faces(offsets, rig)
-  sides = _sides(offsets, rig)
-  rel, half = _extent(bodies, frames, rig)
+  plt, cmap, frames, faces, sides, rel, half = _error_scene(offsets, rig, bodies, frames)
   rows, cols = len(frames), len(bodies)
   height = 3.6 * rows + 0.9
   fig = plt.figure(figsize=(3.0 * cols + 1.0, height))
@@ -304,12 +309,7 @@ def save_error_bodies_clip(path: str | os.PathLike, offsets: np.ndarray, rig: Ri
   """An animated GIF of `plot_error_bodies`' row for each of `frames` (the reference's root
   followed, fixed scale), each image shown for the time its frames span at `fps`."""
   from PIL import Image  # pylint: disable=import-outside-toplevel
-  plt = pyplot()
-  cmap = plt.get_cmap(ERROR_CMAP)
-  frames = [int(t) for t in frames]
-  faces = _box_faces(offsets, rig)
-  sides = _sides(offsets, rig)
-  rel, half = _extent(bodies, frames, rig)
+  plt, cmap, frames, faces, sides, rel, half = _error_scene(offsets, rig, bodies, frames)
   images = []
   for t in frames:
     fig = plt.figure(figsize=(2.6 * len(bodies) + 0.9, 3.3))

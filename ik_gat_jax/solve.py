@@ -2,14 +2,17 @@ r"""Solve joint positions to joint rotations from the command line (DESIGN secti
 
   python -m ik_gat_jax.solve --input=FILE --output=FILE [--checkpoint=DIR] \
       [--offsets_from=BVH] [--units=m] [--input_axes=x,y,z] [--fps=30] [--estimate_lengths] \
+      [--bvh_units=UNITS] \
       [--overwrite] [--plot=PNG --plot_frames=0,10,20] [--clip=GIF_OR_DIR] [--smpl_npz=FILE] \
       [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B]
   ik-gat solve ...                                     (the same, as a console script)
 
 Input by extension: .npz (`positions [T, J, 3]`), .csv (one frame per row, J x 3 columns in
 rig order, header optional), .bvh (joint positions by FK, the file's own rest offsets). Output
-by extension: .bvh (the rig with the subject's offsets, animated; centimetres unless
---bvh_units=m), .npz (rotations, FK positions, offsets), .smpl.npz (SMPL axis-angle pose
+by extension: .bvh (the rig with the subject's offsets, animated, in the rig's joint names; for
+a BVH input in its units and, per joint, the rotation channel order of the source joint it maps
+from (ZYX for a joint without one), else centimetres and ZYX; --bvh_units=cm|m|inch|NUMBER sets
+the units), .npz (rotations, FK positions, offsets), .smpl.npz (SMPL axis-angle pose
 parameters `[T, 66]`, smpl22 rig only; --smpl_world=amass for AMASS's z-up world), .glb (glTF
 2.0 binary: the rig as nodes, the motion as animation, a box body skinned to it; io/gltf.py),
 .fbx (the same GLB converted by headless Blender, which must be on PATH; io/blender.py).
@@ -95,7 +98,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                estimate_lengths: bool = False, overwrite: bool = False,
                plot: str | None = None, plot_frames: str | None = None,
                clip: str | None = None, clip_frames: str | None = None,
-               smpl_npz: str | None = None, smpl_world: str = 'rig', bvh_units: str = 'cm',
+               smpl_npz: str | None = None, smpl_world: str = 'rig',
+               bvh_units: str | float | None = None,
                block_size: int | None = None, progress: bool | None = None,
                refine_iters: int = 0,
                filter_kind: str | None = None, filter_min_cutoff: float | None = None,
@@ -121,10 +125,15 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   `end_sites`: an .npy `[T, E, 3]` of the rig leaves' end-site points (input units and axes,
   NaN = not given), or 'bvh' for a BVH input's own End Sites; a checkpoint trained with end
   sites (issue G2) also uses a BVH input's End Sites when `end_sites` is None; 'none' gives none.
+  A .bvh `output` is in `bvh_units` (metres per file unit or a name: cm, m, inch, ...; default:
+  a BVH input's own units, else cm) with a BVH input's rotation channel order per joint (the
+  source joint's, ZYX without one; ZYX for other inputs).
   """
   t0 = time.perf_counter()
   kind = output_kind(output)
   exports.check_output(output, overwrite)
+  if bvh_units is not None:
+    exports.bvh_metres_per_unit(bvh_units)  # refuse before solving
   if kind == 'fbx':
     blender.require_blender('FBX output')  # refuse before solving
   for extra in (smpl_npz, plot, clip):
@@ -153,8 +162,9 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   sol = solver.solve(source.positions, offsets=offsets, estimate_lengths=estimate_lengths,
                      units=None if source.metres_rig else units, input_axes=M, full=True,
                      progress=progress, mask=mask, orientations=orient, end_sites=ends)
+  bvh_out = _bvh_output(source, bvh_units, rig)
   with exports.staged([output, smpl_npz, plot, clip], overwrite) as (out, smpl, png, frames):
-    _write_main(kind, out, sol, rig, rate, bvh_units, smpl_world, solver)
+    _write_main(kind, out, sol, rig, rate, bvh_out, smpl_world, solver)
     if smpl is not None:
       exports.write_smpl_npz(smpl, sol, rig, rate, world=smpl_world)
     _write_pictures(png, frames, sol, rig, rate, plot_frames, clip_frames)
@@ -165,6 +175,10 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
              'temporal_filter': solver.temporal_filter.describe(),
              'fk_error_mm_mean': float(err.mean()), 'fk_error_mm_max': float(err.max()),
              'seconds': time.perf_counter() - t0}
+  bvh_note = ''
+  if kind == 'bvh':
+    summary.update(bvh_units_m=bvh_out[0], bvh_orders=list(bvh_out[1]))
+    bvh_note = f'; BVH {_describe_orders(bvh_out[1])}, {bvh_out[0]:g} m per unit'
   if latency_frames > 0:
     summary['latency'] = solver.latency_stats(n=latency_frames)
     log(f'single-frame latency over {latency_frames} calls: median '
@@ -172,8 +186,28 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
         f'({summary["latency"]["backend"]})')
   log(f'solved {sol.num_frames} frames ({rig.name}, {rig.num_joints} joints) in '
       f'{summary["seconds"]:.1f} s -> {output}; |input - FK| mean '
-      f'{summary["fk_error_mm_mean"]:.1f} mm, max {summary["fk_error_mm_max"]:.1f} mm')
+      f'{summary["fk_error_mm_mean"]:.1f} mm, max {summary["fk_error_mm_max"]:.1f} mm'
+      f'{bvh_note}')
   return summary
+
+
+def _bvh_output(source, bvh_units: str | float | None, rig) -> tuple[float, tuple[str, ...]]:
+  """(metres per file unit, rotation order per rig joint) of an output BVH: `bvh_units`, else
+  a BVH input's own units, else cm; a BVH input's orders (`PositionsFile.bvh_orders`), else ZYX.
+  """
+  if bvh_units is None and source.bvh_units_m is not None:
+    units_m = source.bvh_units_m
+  else:
+    units_m = exports.bvh_metres_per_unit(bvh_units)
+  return units_m, exports.check_rotation_orders(source.bvh_orders, rig)
+
+
+def _describe_orders(orders) -> str:
+  """'channels XZY' or 'channels XZY x20, ZYX x1' (joints per rotation order)."""
+  counts = {o: list(orders).count(o) for o in sorted(set(orders))}
+  if len(counts) == 1:
+    return f'channels {next(iter(counts))}'
+  return 'channels ' + ', '.join(f'{o} x{n}' for o, n in counts.items())
 
 
 def _sparse_inputs(solver, trackers: str, orientations: str | None, T: int):
@@ -209,9 +243,10 @@ def _end_sites(solver, end_sites: str | None, source) -> np.ndarray | None:
   return ends
 
 
-def _write_main(kind, path, sol, rig, fps, bvh_units, smpl_world, solver) -> None:
+def _write_main(kind, path, sol, rig, fps, bvh_out, smpl_world, solver) -> None:
   if kind == 'bvh':
-    exports.write_solution_bvh(path, sol, rig, fps, units=bvh_units)
+    units_m, orders = bvh_out
+    exports.write_solution_bvh(path, sol, rig, fps, units=units_m, orders=orders)
   elif kind == 'smpl':
     exports.write_smpl_npz(path, sol, rig, fps, world=smpl_world)
   elif kind == 'glb':
@@ -271,7 +306,9 @@ def define_flags() -> None:
   s('smpl_npz', None, 'Also write SMPL pose parameters [T, 66] here (smpl22 rig).')
   flags.DEFINE_enum('smpl_world', 'rig', ['rig', 'amass'], 'World of the SMPL root orientation '
                     'and trans: the rig\'s y-up (SMPL model frame) or AMASS\'s z-up.')
-  flags.DEFINE_enum('bvh_units', 'cm', ['cm', 'm'], 'Units of an output BVH.')
+  s('bvh_units', None, 'Units of an output BVH: cm, m, mm, inch, ... or metres per file unit '
+    '(default: a BVH input\'s own units, else cm). Its rotation channels follow a BVH input\'s '
+    'order per joint (ZYX otherwise).')
   flags.DEFINE_integer('block_size', None, 'Frames per compiled chunk (default 1024).')
   flags.DEFINE_integer('refine_iters', 0, 'Refine IK-GAT with this many iterations of the '
                        'rotation solver (amortized + refine; 10-20 is 1.5-2x the time).')

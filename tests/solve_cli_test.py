@@ -11,13 +11,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from scipy.spatial.transform import Rotation
 
 from ik_gat_jax import cli
+from ik_gat_jax import skeleton
 from ik_gat_jax import solve
 from ik_gat_jax.io import bvh
+from ik_gat_jax.io import exports
+from ik_gat_jax.io.units import UNITS
 from ik_gat_jax.solver import InputError
 
-from solver_test import get_solver, posed_clip, tiny_checkpoint  # noqa: I100 (shared helpers)
+from solver_test import fk_np, get_solver, posed_clip, tiny_checkpoint  # noqa: I100 (helpers)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -159,3 +163,123 @@ def test_module_main_subprocess(ckpt, clip_npz, tmp_path):
   assert done.returncode == 0, done.stderr
   assert 'solved 6 frames' in done.stderr
   assert bvh.read_bvh(tmp_path / 'walk.bvh').num_frames == 6
+
+
+# ----------------------------------------------------------------------------------------------
+# A BVH input's own channel orders and units in the output BVH (issue L, item 5).
+
+_ORDERS = ('XZY', 'YXZ', 'ZXY', 'XYZ', 'YZX', 'ZYX')  # cycled over the source joints
+
+
+def _reordered_cmu(src: Path, dst: Path, frames: int, units_m: float) -> bvh.BVHMotion:
+  """The first `frames` frames of a CMU BVH with joint j's rotation channels in
+  `_ORDERS[j % 6]` (angles recomputed by scipy: the same rotations) and lengths in `units_m`
+  metres per unit; written exactly."""
+  m = bvh.read_bvh(src)
+  k = UNITS['cmu'] / units_m
+  joints, cols = [], []
+  for j, joint in enumerate(m.joints):
+    order = _ORDERS[j % len(_ORDERS)]
+    R = bvh.euler_to_matrix_np(m.rotation_degrees(j)[:frames], m.euler_order(j))
+    pos = m.position_channels(j)
+    cols += ([] if pos is None else [pos[:frames] * k]) + [
+        Rotation.from_matrix(R).as_euler(order, degrees=True)]
+    joints.append(bvh.BVHJoint(joint.name, joint.parent, joint.offset * k,
+                               (bvh.POSITION_CHANNELS if pos is not None else ()) +
+                               tuple(f'{a}rotation' for a in order),
+                               None if joint.end_site is None else joint.end_site * k))
+  out = bvh.BVHMotion(joints, m.frame_time, np.concatenate(cols, axis=1))
+  bvh.write_bvh(dst, out, precision=None)
+  np.testing.assert_allclose(bvh.naive_fk_np(out, units_m),
+                             bvh.naive_fk_np(m, UNITS['cmu'])[:frames], atol=1e-9)
+  return out
+
+
+def _ancestors(parents, j: int) -> list[int]:
+  out = []
+  while parents[j] >= 0:
+    j = parents[j]
+    out.append(j)
+  return out
+
+
+def _text_bound(p: np.ndarray, parents, units_m: float, decimals: int = 6) -> np.ndarray:
+  """`[T, J]` metres: how far the FK of a BVH written with `decimals` can move from the exact
+  FK at positions `p [T, J, 3]` (float64). Root channels round by h = 0.5e-`decimals` units
+  per axis (sqrt(3) h units); each angle by h degrees, so a joint's local rotation by at most
+  3 h (radians) and every joint below ancestor a moves by at most that times its distance
+  to a; the float64 Euler round trip and exact offsets add ~1e-15 relative (1e-12 m slack)."""
+  h = 0.5 * 10.0 ** -decimals
+  bound = np.full(p.shape[:2], np.sqrt(3) * h * units_m + 1e-12)
+  for j in range(p.shape[1]):
+    for a in _ancestors(parents, j):
+      bound[:, j] += 3 * np.deg2rad(h) * np.linalg.norm(p[:, j] - p[:, a], axis=-1)
+  return bound
+
+
+def _float32_bound(R: np.ndarray, p: np.ndarray, offsets: np.ndarray, parents) -> np.ndarray:
+  """`[T, J]` metres between the solver's float32 FK of `R [T, J, 3, 3]` and the exact FK `p`
+  of R's nearest rotations: each R_a is d_a (spectral norm) from its rotation, moving joints
+  below a by d_a times their distance to a; float32 rounding (u = 2^-24) of a depth-d chain:
+  the product G of d matrices is off by 3 d u, so each term G t by (3 d + 3) u |t|, the sum
+  of d + 1 terms by (d + 1) u (|root| + sum |t|), and storing p by u |p|."""
+  u = 2.0 ** -24
+  d = np.linalg.norm(np.asarray(R, np.float64) - _nearest_rotations(R), ord=2, axis=(-2, -1))
+  t = np.linalg.norm(offsets, axis=-1)
+  bound = u * np.linalg.norm(p, axis=-1)
+  for j in range(p.shape[1]):
+    chain = [j] + _ancestors(parents, j)
+    depth = [len(_ancestors(parents, a)) for a in chain]
+    length = np.linalg.norm(p[:, 0], axis=-1) + sum(t[a] for a in chain[:-1])
+    bound[:, j] += u * (sum((3 * da + 3) * t[a] for a, da in zip(chain[:-1], depth))
+                        + (depth[0] + 1) * length)
+    for a in chain[1:]:
+      bound[:, j] += d[:, a] * np.linalg.norm(p[:, j] - p[:, a], axis=-1)
+  return bound
+
+
+def _nearest_rotations(R: np.ndarray) -> np.ndarray:
+  u, _, vt = np.linalg.svd(np.asarray(R, np.float64))
+  return u @ vt  # det +1 here: the solver's matrices are within 1e-6 of rotations
+
+
+@pytest.mark.filterwarnings('ignore:up axis looks wrong')  # an untrained model's poses
+def test_bvh_output_keeps_the_input_names_orders_and_units(ckpt, cmu_dir, tmp_path):
+  """A CMU clip re-written with six rotation orders and inches solves to a BVH in the input's
+  names, per-joint orders and inches, whose FK is the solution's (bounds derived above)."""
+  inch = UNITS['inch']
+  src = _reordered_cmu(cmu_dir / '07_12.bvh', tmp_path / 'in.bvh', 41, inch)
+  lines = []
+  for out_file, bvh_units in (('out.bvh', None), ('sol.npz', None), ('cm.bvh', 'cm')):
+    summary = solve.solve_file(tmp_path / 'in.bvh', tmp_path / out_file, checkpoint=ckpt,
+                               units='inch', bvh_units=bvh_units, log=lines.append)
+    if out_file == 'out.bvh':
+      assert summary['bvh_units_m'] == inch and f'{inch:g} m per unit' in lines[-1]
+  with np.load(tmp_path / 'sol.npz') as z:
+    names, R, fk = [str(n) for n in z['joint_names']], z['local_rot'], z['positions_fk']
+    offsets, parents = z['offsets'].astype(np.float64), [int(p) for p in z['parents']]
+  out, cm = bvh.read_bvh(tmp_path / 'out.bvh'), bvh.read_bvh(tmp_path / 'cm.bvh')
+  assert out.num_frames == 40 and set(out.names) == set(names)  # cgspeed's T-pose frame dropped
+  col = [out.names.index(n) for n in names]
+  index = {n: i for i, n in enumerate(src.names)}
+  for j, n in enumerate(names):
+    assert out.euler_order(col[j]) == cm.euler_order(col[j]) == src.euler_order(index[n]), n
+  # Offsets in the input's units: joints whose source parent is the rig parent (not folded).
+  kept = [j for j, n in enumerate(names) if parents[j] >= 0 and
+          src.joints[index[n]].parent == index[names[parents[j]]]]
+  assert len(kept) >= 15
+  got, want = out.offsets[col][kept], src.offsets[[index[names[j]] for j in kept]]
+  assert (np.linalg.norm(got - want, axis=-1) <= 1e-6 * np.linalg.norm(want, axis=-1)).all()
+  np.testing.assert_allclose(cm.offsets * 0.01, out.offsets * inch, rtol=1e-12, atol=1e-15)
+  # Read back: the exact FK of the rotations nearest the float32 solution's (what the writer
+  # converts) within the 6-decimal text bound, and the solution's own float32 FK within that
+  # plus the float32 bound.
+  _, exact = fk_np(_nearest_rotations(R), offsets, parents, fk[:, 0].astype(np.float64))
+  bound = _text_bound(exact, parents, inch)
+  for back in (bvh.naive_fk_np(out, inch)[:, col],
+               exports.read_bvh_clip(tmp_path / 'out.bvh', skeleton.cmu_body(),
+                                     units=inch).positions):
+    err = np.linalg.norm(back - exact, axis=-1)
+    assert (err <= bound).all(), (err.max(), bound.max())
+    err32 = np.linalg.norm(back - fk, axis=-1)
+    assert (err32 <= bound + _float32_bound(R, exact, offsets, parents)).all(), err32.max()

@@ -137,9 +137,8 @@ def test_other_files_in_the_same_workdir_are_refused(rig_run, tmp_path):
 
 def test_solve_writes_the_rigs_bvh(rig_run, tmp_path):
   """`ik_gat_jax.solve --checkpoint=EXPORT --units=...` (the card's command) on one of the rig's
-  clips writes a BVH in the rig's own joint names (its source names). What it does not keep
-  (reported, not rebuilt): the output is in cm (not the source's units), always ZYX, and the
-  joints the rig removed are not written."""
+  clips writes a BVH in the rig's own joint names (its source names), rotation orders and
+  units (issue L); the joints the rig removed are not written."""
   from ik_gat_jax.solve import solve_file
   options, manifest, _ = rig_run
   export = Path(options.workdir) / 'checkpoint'
@@ -155,10 +154,9 @@ def test_solve_writes_the_rigs_bvh(rig_run, tmp_path):
   assert set(solved.names) < set(original.names)  # the rig's names are the source's
   assert solved.num_frames == original.num_frames == summary['frames']
   assert solved.frame_time == pytest.approx(original.frame_time, rel=1e-5)
-  assert solved.joints[1].channels == original.joints[1].channels == (
-      'Zrotation', 'Yrotation', 'Xrotation')  # CMU is ZYX too; the writer always is
-  # Root translation in cm: the source's (CMU units) times 5.6444.
-  np.testing.assert_allclose(solved.motion[:, :3], original.motion[:, :3] * 5.6444, atol=1e-3)
+  assert solved.joints[1].channels == original.joints[1].channels  # the source's order
+  # Root translation in the source's own units (the BVH text keeps 4 decimals: 1e-3).
+  np.testing.assert_allclose(solved.motion[:, :3], original.motion[:, :3], atol=1e-3)
 
 
 def test_bad_input_is_one_line(tmp_path):

@@ -32,17 +32,18 @@ def test_batch_order_is_a_function_of_step_only():
   assert sorted(flat[:20]) == list(range(20)) and sorted(flat[20:40]) == list(range(20))
 
 
-def test_overfit_300_frames_of_07_01_no_retrace(overfit_shards, tiny_config):
-  """A tiny model fits 300 real frames to under 2 degrees mean local error (all joints)."""
+def test_overfit_150_frames_of_07_01_no_retrace(overfit_shards, tiny_config):
+  """A tiny model fits 150 real frames (1.25 s of 07_01 at 120 fps) to under 2 degrees mean local
+  error over all joints (measured 1.24)."""
   c = tiny_config(overfit_shards, train=dict(lr=2e-2, warmup_steps=20, steps=900,
-                                             final_lr_fraction=0.05, batch_size=300,
+                                             final_lr_fraction=0.05, batch_size=150,
                                              weight_decay=0.0))
   c.model.dropout = 0.0
   c.loss.alpha = 0.0
   c.augment.update(yaw=False, mirror=0.0, bone_scale=0.0)
   ds = data.load_shards(overfit_shards, 'train')
-  batch = _fixed_batch(ds, 300)
-  assert len(batch['positions']) == 300
+  batch = _fixed_batch(ds, 150)
+  assert len(batch['positions']) == 150
   graphdef, state = train.init_state(inference.IKGAT_TASK, c, ds.rig, ds)
   step = train.make_train_step(inference.IKGAT_TASK, graphdef, c, ds.rig)
   traced = chex.assert_max_traces(n=1)  # the step compiles once for all 900 calls

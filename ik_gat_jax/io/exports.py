@@ -16,11 +16,15 @@ refused unless `overwrite`):
 - npz: `local_rot`, `global_rot`, `bone_aligned_rot [T, J, 3, 3]`, `positions_fk`, `positions`
   `[T, J, 3]` (metres), `offsets [J, 3]` (metres), `bone_frames [J, 3, 3]`, `joint_names`,
   `parents`, `fps`, `rig` (JSON).
-- BVH: the rig's joints (depth-first), OFFSETs = the subject's offsets, root channels
-  `Xposition Yposition Zposition Zrotation Yrotation Xrotation`, others `Zrotation Yrotation
-  Xrotation` (R = Rz Ry Rx, degrees), End Sites at leaves along the leaf's rest direction (half
-  the leaf's bone, at least 2 cm). Lengths in CENTIMETRES by default (`units='m'` for metres);
-  Blender: File > Import > BVH with Scale 0.01 for centimetres (1.0 for metres), forward Z, up Y.
+- BVH: the rig's joints (depth-first) in the rig's joint names, OFFSETs = the subject's
+  offsets, root channels `Xposition Yposition Zposition` then three rotation channels, others
+  three rotation channels, per joint in `orders[j]` (intrinsic, channel order: 'ZYX' is
+  `Zrotation Yrotation Xrotation`, R = Rz Ry Rx, degrees; default ZYX for every joint), End Sites
+  at leaves along the leaf's rest direction (half the leaf's bone, at least 2 cm). Lengths in
+  `units` metres per file unit (a number or a `units.UNITS` name: 'cm', the default, 'm',
+  'inch', ...). `solve` passes a BVH input's own orders and units (`PositionsFile.bvh_orders`,
+  `bvh_units_m`). Blender: File > Import > BVH with Scale = metres per unit (0.01 for
+  centimetres), forward Z, up Y.
 - SMPL npz (rig `smpl22` only): the fields of `io.smpl.smpl_arrays` (that module's docstring):
   `poses [T, 66]` axis-angle of the 22 local rotations (root orientation first), `trans`, ...;
   in the rig's y-up world (the SMPL model's frame) by default, or AMASS's with `world='amass'`.
@@ -63,11 +67,12 @@ from ik_gat_jax.io import bvh
 from ik_gat_jax.io import gltf
 from ik_gat_jax.io import retarget
 from ik_gat_jax.io import smpl
-from ik_gat_jax.io.units import parse_units
+from ik_gat_jax.io.units import UNITS, parse_units
 from ik_gat_jax.skeleton import Rig, depth_first_order
 
-BVH_UNITS = {'cm': 0.01, 'm': 1.0}  # metres per BVH unit the writer offers
+BVH_UNITS = {'cm': 0.01, 'm': 1.0}  # metres per BVH unit by name (the writer takes any units)
 DEFAULT_BVH_UNITS = 'cm'
+DEFAULT_BVH_ORDER = 'ZYX'  # rotation channels of a written joint without a source order
 _END_SITE_MIN_M = 0.02
 
 
@@ -145,12 +150,16 @@ class PositionsFile:
   """What a reader found. positions: `[T, J, 3]` (input units and axes unless `metres_rig`);
   offsets: `[J, 3]` metres or None; fps or None; metres_rig: already metres in rig axes (BVH);
   end_sites: `[T, E, 3]` the rig leaves' End Sites of a BVH that has them (metres, rig axes,
-  NaN = none; issue G2), else None."""
+  NaN = none; issue G2), else None. A BVH also gives bvh_orders: per rig joint the rotation
+  channel order of its source joint (`source_rotation_orders`), and bvh_units_m: metres per
+  file unit it was read in; None otherwise."""
   positions: np.ndarray
   offsets: np.ndarray | None = None
   fps: float | None = None
   metres_rig: bool = False
   end_sites: np.ndarray | None = None
+  bvh_orders: tuple[str, ...] | None = None
+  bvh_units_m: float | None = None
 
 
 def read_positions(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = None,
@@ -306,7 +315,23 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
   _, out, G, p, _ = retarget.convert_motion(motion, jmap, W, fps or rate, rig.joint_names,
                                             rig.parents)
   return PositionsFile(p, out.offsets, fps or rate, metres_rig=True,
-                       end_sites=retarget.end_sites_world(out, G, p, rig.parents))
+                       end_sites=retarget.end_sites_world(out, G, p, rig.parents),
+                       bvh_orders=source_rotation_orders(motion, jmap, rig),
+                       bvh_units_m=jmap.units)
+
+
+def source_rotation_orders(motion: bvh.BVHMotion, jmap, rig: Rig) -> tuple[str, ...]:
+  """Per rig joint: the rotation channel order (e.g. 'XZY') of the source joint `jmap` maps
+  it from; `DEFAULT_BVH_ORDER` for a joint without a source or whose source has not three
+  distinct rotation channels."""
+  index = {n: i for i, n in enumerate(motion.names)}
+  source = {r: s for s, r in jmap.joints}
+  orders = []
+  for name in rig.joint_names:
+    j = index.get(source.get(name))
+    order = motion.euler_order(j) if j is not None else ''
+    orders.append(order if sorted(order) == ['X', 'Y', 'Z'] else DEFAULT_BVH_ORDER)
+  return tuple(orders)
 
 
 def read_bvh_offsets(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = None,
@@ -332,39 +357,82 @@ def solution_arrays(sol, rig: Rig, fps: float, extra: dict | None = None) -> dic
 
 @functools.partial(jax.jit, static_argnums=1)
 def _euler_degrees(R: jax.Array, order: str) -> jax.Array:
+  # Angles of the nearest rotation (SVD): float32 solutions are off SO(3) by ~1e-7, where
+  # `euler_from_matrix` alone lands on a rotation ~1e-7 from the nearest one.
+  U, _, Vt = jnp.linalg.svd(R)
+  flip = jnp.sign(jnp.linalg.det(U @ Vt))[..., None]
+  R = jnp.concatenate([U[..., :2], U[..., 2:] * flip[..., None]], axis=-1) @ Vt
   return rotations.euler_from_matrix(R, order, degrees=True)
 
 
-def euler_zyx_degrees(R: np.ndarray) -> np.ndarray:
-  """`[..., 3, 3]` -> intrinsic ZYX angles in degrees `[..., 3]` (R = Rz Ry Rx), float64.
+def euler_degrees(R: np.ndarray, order: str = DEFAULT_BVH_ORDER) -> np.ndarray:
+  """`[..., 3, 3]` -> intrinsic angles in degrees `[..., 3]` in `order`, a permutation of 'XYZ'
+  in BVH channel order ('ZYX': R = Rz Ry Rx), float64, of the rotation nearest each matrix
+  (SVD; the same matrix for a rotation).
 
   Jitted over the flattened matrices padded to a power of two (few compiles for any T)."""
   R = np.asarray(R, np.float64)
   flat = R.reshape(-1, 3, 3)
   padded = padding.pad_rows(flat, padding.power_of_two(len(flat), 64), fill=np.eye(3))
   with jax.enable_x64(True):
-    angles = np.asarray(_euler_degrees(jnp.asarray(padded, jnp.float64), 'ZYX'))
+    angles = np.asarray(_euler_degrees(jnp.asarray(padded, jnp.float64), order))
   return angles[:len(flat)].reshape(R.shape[:-2] + (3,))
 
 
+def euler_degrees_per_joint(R: np.ndarray, orders: Sequence[str]) -> np.ndarray:
+  """`R [T, J, 3, 3]` -> `[T, J, 3]` degrees, joint j in `orders[j]` (`euler_degrees`); one
+  conversion per distinct order, over the joints that use it."""
+  R = np.asarray(R, np.float64)
+  out = np.empty(R.shape[:-1])
+  for order in sorted(set(orders)):
+    cols = [j for j, o in enumerate(orders) if o == order]
+    out[:, cols] = euler_degrees(R[:, cols], order)
+  return out
+
+
+def bvh_metres_per_unit(units: str | float | None) -> float:
+  """Metres per file unit of an output BVH: a number or a `units.UNITS` name; None: cm."""
+  try:
+    return parse_units(DEFAULT_BVH_UNITS if units is None else units)
+  except InputError:
+    raise InputError(f'BVH units must be metres per file unit (a positive number) or one of '
+                     f'{", ".join(UNITS)}, got {units!r}') from None
+
+
+def check_rotation_orders(orders: Sequence[str] | None, rig: Rig) -> tuple[str, ...]:
+  """Per rig joint rotation channel orders (upper case), `DEFAULT_BVH_ORDER` for all when None;
+  each must be a permutation of XYZ."""
+  if orders is None:
+    return (DEFAULT_BVH_ORDER,) * rig.num_joints
+  orders = tuple(str(o).upper() for o in orders)
+  bad = [o for o in orders if sorted(o) != ['X', 'Y', 'Z']]
+  if len(orders) != rig.num_joints or bad:
+    raise InputError(f'BVH rotation orders must be {rig.num_joints} permutations of XYZ (one per '
+                     f'joint of rig {rig.name!r}), got {len(orders)} with {bad[:3] or "none"} bad')
+  return orders
+
+
 def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarray, rig: Rig,
-                 fps: float, units: str = DEFAULT_BVH_UNITS) -> bvh.BVHMotion:
+                 fps: float, units: str | float = DEFAULT_BVH_UNITS,
+                 orders: Sequence[str] | None = None) -> bvh.BVHMotion:
   """The rig animated by `local_rot [T, J, 3, 3]`, root at `root_pos [T, 3]` (metres), on
-  `offsets [J, 3]` (metres), in `units` ('cm' or 'm')."""
-  if units not in BVH_UNITS:
-    raise InputError(f'BVH units must be one of {", ".join(BVH_UNITS)}, got {units!r}')
-  k = 1.0 / BVH_UNITS[units]
+  `offsets [J, 3]` (metres), in `units` (metres per file unit or a name: 'cm', 'm', 'inch',
+  ...), joint j's rotation channels in `orders[j]` (rig order, e.g. 'XZY'; default ZYX)."""
+  k = 1.0 / bvh_metres_per_unit(units)
+  orders = check_rotation_orders(orders, rig)
   order = depth_first_order(rig.parents)
   pos_in_file = {j: i for i, j in enumerate(order)}
   ends = _end_sites(offsets, rig)
   joints = []
   for j in order:
     p = rig.parents[j]
-    channels = (bvh.POSITION_CHANNELS if p < 0 else ()) + ('Zrotation', 'Yrotation', 'Xrotation')
+    channels = ((bvh.POSITION_CHANNELS if p < 0 else ()) +
+                tuple(f'{axis}rotation' for axis in orders[j]))
     joints.append(bvh.BVHJoint(name=rig.joint_names[j], parent=pos_in_file[p] if p >= 0 else -1,
                                offset=np.asarray(offsets[j], np.float64) * k, channels=channels,
                                end_site=None if ends[j] is None else ends[j] * k))
-  angles = euler_zyx_degrees(np.asarray(local_rot)[:, order])  # [T, J, 3]
+  angles = euler_degrees_per_joint(np.asarray(local_rot)[:, order],
+                                   [orders[j] for j in order])  # [T, J, 3]
   motion = np.concatenate([np.asarray(root_pos, np.float64) * k,
                            angles.reshape(len(angles), -1)], axis=1)
   return bvh.BVHMotion(joints=joints, frame_time=1.0 / fps, motion=motion)
@@ -381,10 +449,13 @@ def _end_sites(offsets: np.ndarray, rig: Rig) -> list[np.ndarray | None]:
 
 
 def write_solution_bvh(path: str | os.PathLike, sol, rig: Rig, fps: float,
-                       units: str = DEFAULT_BVH_UNITS, overwrite: bool = True) -> None:
-  """`solution_bvh` of a `solver.Solution`, written atomically."""
+                       units: str | float = DEFAULT_BVH_UNITS, overwrite: bool = True,
+                       orders: Sequence[str] | None = None) -> None:
+  """`solution_bvh` of a `solver.Solution` (units, per-joint rotation orders), written
+  atomically."""
   path = check_output(path, overwrite)
-  motion = solution_bvh(sol.local_rot, sol.positions_fk[:, 0], sol.offsets, rig, fps, units)
+  motion = solution_bvh(sol.local_rot, sol.positions_fk[:, 0], sol.offsets, rig, fps, units,
+                        orders)
   bvh.write_bvh(path, motion)
 
 
