@@ -381,15 +381,19 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
   return next(b for b in buckets if b >= n)
 
 
-def _make_forward(graphdef, rig: Rig, counter: list[int], refine=None):
-  """jit((state, positions [b, J, 3], offsets [J, 3], B [J, 3, 3]), full static) -> dict.
+def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None):
+  """jit((state leaves, positions [b, J, 3], offsets [J, 3], B [J, 3, 3]), full static) -> dict.
+
+  The model state goes in as its flat list of leaves (`treedef` rebuilds it at trace time): a
+  call then skips flattening the nested nnx State, ~25 us of a ~0.4 ms live frame.
 
   `refine` (an `iterative_ik.SolverConfig`): amortized + refine, a few anchored iterations of the
   rotation solver from IK-GAT's output (issue G1; BENCHMARKS.md).
   """
 
-  def forward(state, positions, offsets, B, full, sparse=None):
+  def forward(leaves, positions, offsets, B, full, sparse=None):
     counter[0] += 1  # runs at trace time only: counts compilations
+    state = jax.tree.unflatten(treedef, leaves)
     local = _infer(graphdef, rig, refine, state, positions, offsets, B, sparse)
     if not full:
       return {'local_rot': local}
@@ -406,14 +410,15 @@ def _infer(graphdef, rig: Rig, refine, state, positions, offsets, B, sparse=None
                                 'offsets': offsets, **(sparse or {})}, rig=rig, refine=refine)
 
 
-def _make_stream_step(graphdef, rig: Rig, counter: list[int], refine,
+def _make_stream_step(graphdef, treedef, rig: Rig, counter: list[int], refine,
                       config: temporal.FilterConfig, fps: float):
   """jit((state, filter state, one frame [1, J, 3], offsets, B, sparse)) -> (filter state,
   filtered local [J, 3, 3]): network and temporal filter in one call, so a filtered live stream
   pays one dispatch per frame, not two (measured: +42% latency as two calls)."""
 
-  def step(state, fstate, positions, offsets, B, sparse=None):
+  def step(leaves, fstate, positions, offsets, B, sparse=None):
     counter[0] += 1
+    state = jax.tree.unflatten(treedef, leaves)
     local = _infer(graphdef, rig, refine, state, positions, offsets, B, sparse)
     return temporal.filter_step(fstate, local[0], config, fps)
 
@@ -466,12 +471,14 @@ class IKSolver:
     self.buckets = bucket_sizes(self.block_size)
     self.offsets = (check_offsets(offsets, self.rig) if offsets is not None
                     else self._template_offsets())
-    graphdef, self._state = nnx.split(model)
+    graphdef, state = nnx.split(model)
+    self._leaves, self._treedef = jax.tree.flatten(state)
     self._traces = [0]
     self.refine = None
     if refine_iters > 0:
       self.refine = iterative_ik.SolverConfig(iters=int(refine_iters), lr=REFINE_LR, w_anchor=0.0)
-    self._forward = _make_forward(graphdef, self.rig, self._traces, self.refine)
+    self._forward = _make_forward(graphdef, self._treedef, self.rig, self._traces, self.refine)
+    self._step_exec = None  # `step`'s compiled forward (bucket 1, no sparse input), on first use
     self.supports_masks = bool(model.config.joint_mask)  # sparse inputs (issue G2)
     self.orientation_inputs = tuple(model.config.orientation_inputs)
     self.end_sites = bool(getattr(model.config, 'end_sites', False))
@@ -499,8 +506,9 @@ class IKSolver:
       raise InputError(f'fps must be a positive frame rate, got {value}')
     self._fps = float(value)
     self._filter_state = None
-    self._stream_step = (_make_stream_step(self._graphdef, self.rig, self._traces, self.refine,
-                                           self.temporal_filter, self._fps)
+    self._stream_step = (_make_stream_step(self._graphdef, self._treedef, self.rig,
+                                           self._traces, self.refine, self.temporal_filter,
+                                           self._fps)
                          if self.temporal_filter.active else None)
     self.window_ratio = self._fps / self.window_fps
     self._history = (windows.StreamHistory(self.window, self.window_ratio)
@@ -645,7 +653,7 @@ class IKSolver:
     if sparse is not None:
       sparse = {k: jnp.asarray(pad(v)) for k, v in sparse.items()}
     off, B, _ = subject
-    out = self._forward(self._state, jnp.asarray(pos, jnp.float32), off, B, full, sparse)
+    out = self._forward(self._leaves, jnp.asarray(pos, jnp.float32), off, B, full, sparse)
     return {k: np.asarray(v)[:n] for k, v in out.items()}
 
   def solve(self, positions, *, offsets=None, estimate_lengths: bool = False,
@@ -764,13 +772,27 @@ class IKSolver:
     subject = self._device_subject(off)
     sparse = self._stream_history(pos) or sparse  # window models take no other sparse input
     if self._stream_step is None:
+      if sparse is None:
+        return self._step_forward(pos, subject)
       return self._run(pos, subject, False, sparse)['local_rot'][0]
     fstate = self._filter_state or temporal.init_state(self.rig.num_joints)
     if sparse is not None:
       sparse = {k: jnp.asarray(v) for k, v in sparse.items()}
     self._filter_state, out = self._stream_step(
-        self._state, fstate, jnp.asarray(pos, jnp.float32), subject[0], subject[1], sparse)
+        self._leaves, fstate, jnp.asarray(pos, jnp.float32), subject[0], subject[1], sparse)
     return np.asarray(out)
+
+  def _step_forward(self, pos: np.ndarray, subject) -> np.ndarray:
+    """One frame `[1, J, 3]`, no sparse input -> local `[J, 3, 3]`: the bucket-1 forward
+    compiled ahead (`lower().compile()`, through the persistent cache) and called directly,
+    without jit's per-call dispatch (argument signature and cache lookup). The frame goes in
+    as numpy: the executable's own transfer is ~70 us faster than `jnp.asarray` first
+    (experiments/latency_breakdown.py, BENCHMARKS.md "One live frame")."""
+    off, B, _ = subject
+    x = np.asarray(pos, np.float32)
+    if self._step_exec is None:
+      self._step_exec = self._forward.lower(self._leaves, x, off, B, False, None).compile()
+    return np.asarray(self._step_exec(self._leaves, x, off, B, None)['local_rot'])[0]
 
   def solve_stream(self, frames: Iterable, offsets=None) -> Iterator[np.ndarray]:
     """Per item of `frames` (`[J, 3]` or a small batch `[b, J, 3]`, b <= block_size): its local

@@ -1,0 +1,155 @@
+"""Where one live frame's time goes: `IKSolver.step` split into its parts (issue N item 1).
+
+  taskset -c 0 python -m experiments.latency_breakdown [--checkpoint=DIR] [--calls=3000] \
+      [--json=FILE]
+
+Every part is timed alone, interleaved with the others in rounds (medians over all rounds, so a
+change in the machine's load hits every part alike), in ms per frame:
+  step            `IKSolver.step(frame)`: numpy in -> numpy out, everything included
+  host_checks     shape/finite checks, the sparse-input check, the subject's cached frames
+  executable      the compiled forward (network + conversion to local rotations) on a frame
+                  already on the device, waited on: the network's own time
+  to_device       what a numpy float32 frame handed to the executable adds (step's way in)
+  to_host         the output back as numpy (`np.asarray`; what it adds on top)
+  dispatch_floor  a compiled `x + 1` on the same `[1, J, 3]` input: the cost of any XLA call
+Also: XLA's FLOPs per frame and its count of kernels (fusions, dots, ...) of the forward, the
+single-core rate of the forward's largest matmul shape alone (`[J, d] @ [d, d]`, GFLOP/s) and
+the floor it implies for the network (FLOPs / that rate). XLA flags (e.g. `XLA_FLAGS=
+--xla_cpu_use_thunk_runtime=false`) apply when set before the run; the JSON records them.
+"""
+
+import collections
+import json
+import os
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from experiments.common import fail_on_user_error
+from ik_gat_jax import data, inference, provenance
+from ik_gat_jax.io import atomic
+from ik_gat_jax.skeleton import rest_positions_np
+from ik_gat_jax.solver import IKSolver, check_positions
+
+_CKPT = flags.DEFINE_string('checkpoint', None, 'IK-GAT run or checkpoint (default: shipped).')
+_DATA = flags.DEFINE_string('data', None, 'Shards whose val frames are fed (default: the rest '
+                            'pose with noise).')
+_CALLS = flags.DEFINE_integer('calls', 3000, 'Timed calls per part.')
+_JSON = flags.DEFINE_string('json', None, 'Write the result here too.')
+
+
+def _median_ms(fns: dict, frames: np.ndarray, calls: int, rounds: int = 10) -> dict[str, float]:
+  """Median ms of each `fn(frame)`, `calls` calls each, in `rounds` interleaved rounds."""
+  times = {k: [] for k in fns}
+  per = max(calls // rounds, 1)
+  for r in range(rounds):
+    for name, fn in fns.items():
+      for i in range(per):
+        f = frames[(r * per + i) % len(frames)]
+        t = time.perf_counter()
+        fn(f)
+        times[name].append(time.perf_counter() - t)
+  return {k: float(1e3 * np.median(v)) for k, v in times.items()}
+
+
+def _matmul_gflops(J: int, d: int, calls: int = 400) -> float:
+  """GFLOP/s of a jitted chain of 8 `[J, d] @ [d, d]` products (one call's overhead shared)."""
+  x, w = jnp.ones((J, d), jnp.float32), jnp.full((d, d), 1.0 / d, jnp.float32)
+  chain = jax.jit(lambda x, w: jax.lax.fori_loop(0, 8, lambda _, y: y @ w, x)).lower(
+      x, w).compile()
+  chain(x, w).block_until_ready()
+  ts = []
+  for _ in range(calls):
+    t = time.perf_counter()
+    chain(x, w).block_until_ready()
+    ts.append(time.perf_counter() - t)
+  return 8 * 2 * J * d * d / np.median(ts) / 1e9
+
+
+def kernel_counts(compiled) -> dict[str, int]:
+  """Instructions of the compiled module's entry computation by opcode (each fusion, dot or
+  copy is one kernel launch on the CPU runtime)."""
+  text = compiled.as_text()
+  entry = text[text.index('ENTRY'):]
+  ops = collections.Counter(re.findall(r'= \S+ ([\w-]+)\(', entry))
+  return dict(ops.most_common())
+
+
+def breakdown(solver: IKSolver, frames: np.ndarray, calls: int) -> dict:
+  J = solver.rig.num_joints
+  for f in frames[:50]:
+    solver.step(f)  # compiles step's executable, warms the caches
+  subject = solver._device_subject(solver.offsets)  # pylint: disable=protected-access
+  off, B, _ = subject
+  exe = solver._step_exec  # pylint: disable=protected-access
+  leaves = solver._leaves  # pylint: disable=protected-access
+  on_device = jnp.asarray(frames[:1], jnp.float32)
+  out_device = exe(leaves, on_device, off, B, None)['local_rot']
+  floor = jax.jit(lambda x: x + 1).lower(on_device).compile()
+
+  def host_checks(f):
+    pos, _ = check_positions(f, solver.rig, allow_missing=solver.supports_masks)
+    solver.sparse_inputs(pos)
+    solver._device_subject(solver.offsets)  # pylint: disable=protected-access
+
+  parts = _median_ms({
+      'step': solver.step,
+      'host_checks': host_checks,
+      'executable': lambda f: exe(leaves, on_device, off, B, None)['local_rot']
+      .block_until_ready(),
+      'numpy_in': lambda f: exe(leaves, np.asarray(f[None], np.float32), off, B, None)
+      ['local_rot'].block_until_ready(),
+      'numpy_in_out': lambda f: np.asarray(exe(leaves, np.asarray(f[None], np.float32), off, B,
+                                               None)['local_rot']),
+      'dispatch_floor': lambda f: floor(on_device).block_until_ready(),
+  }, frames, calls)
+  parts['to_host'] = parts.pop('numpy_in_out') - parts['numpy_in']
+  parts['to_device'] = parts.pop('numpy_in') - parts['executable']
+  parts['python_rest'] = parts['step'] - sum(parts[k] for k in (
+      'host_checks', 'to_device', 'executable', 'to_host'))
+  del out_device
+  cost = exe.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  flops = float(cost.get('flops', float('nan')))
+  d = max(int(l.shape[-1]) for l in leaves if getattr(l, 'ndim', 0) == 2
+          and l.shape[0] == l.shape[1])
+  rate = _matmul_gflops(J, d)
+  return {'ms': parts, 'flops_per_frame': flops, 'kernels': kernel_counts(exe),
+          'square_matmul': {'shape': f'[{J}, {d}] @ [{d}, {d}]', 'gflop_per_s': rate},
+          'network_floor_ms': flops / (rate * 1e9) * 1e3}
+
+
+@fail_on_user_error
+def main(argv):
+  del argv
+  solver = IKSolver.from_checkpoint(_CKPT.value or inference.SHIPPED_IKGAT)
+  if _DATA.value:
+    frames = np.asarray(data.load_shards(_DATA.value, 'val').positions[:1000], np.float64)
+  else:
+    rng = np.random.default_rng(0)
+    rest = rest_positions_np(solver.offsets, solver.rig.parents)
+    frames = rest[None] + 0.01 * rng.normal(size=(1000,) + rest.shape)
+  result = breakdown(solver, frames, _CALLS.value)
+  result.update(checkpoint=solver.source, cpus=sorted(os.sched_getaffinity(0)),
+                xla_flags=os.environ.get('XLA_FLAGS', ''), backend=jax.default_backend(),
+                provenance=provenance.provenance())
+  ms = result['ms']
+  print(f"IK-GAT {solver.source}: one live frame, {len(result['cpus'])} core(s), "
+        f"XLA_FLAGS={result['xla_flags']!r}")
+  for k in ('step', 'host_checks', 'to_device', 'executable', 'to_host', 'python_rest',
+            'dispatch_floor'):
+    print(f'  {k:15s} {ms[k]:7.3f} ms')
+  print(f"  network: {result['flops_per_frame'] / 1e6:.1f} MFLOP/frame, kernels "
+        f"{sum(result['kernels'].values())} ({result['kernels']}); "
+        f"{result['square_matmul']['shape']} alone {result['square_matmul']['gflop_per_s']:.1f}"
+        f" GFLOP/s -> floor {result['network_floor_ms']:.3f} ms")
+  if _JSON.value:
+    atomic.write_json(_JSON.value, result)
+
+
+if __name__ == '__main__':
+  app.run(main)
