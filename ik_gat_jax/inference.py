@@ -25,6 +25,7 @@ from ik_gat_jax import iterative_ik
 from ik_gat_jax import losses
 from ik_gat_jax import metrics
 from ik_gat_jax import model as model_lib
+from ik_gat_jax import rotations
 from ik_gat_jax import temporal
 from ik_gat_jax.errors import CheckpointError
 from ik_gat_jax.skeleton import Rig
@@ -69,15 +70,24 @@ def _ikgat_build(config, rig: Rig, rngs: nnx.Rngs, train_data) -> nnx.Module:
   return model_lib.create_model(model_lib.ModelConfig.from_dict(config.model), rig, rngs)
 
 
-def _ikgat_loss(model, batch, key, config, rig):
+def _ikgat_loss(model, batch, key, config, rig, teacher=None):
+  """`teacher` (distillation, train.load_teacher): adds `loss.distill_weight` (default 1) x
+  the mean geodesic angle between this model's output and the teacher's on the same augmented
+  input (both in the same output space), reported as 'distill_rad'."""
   if model.config.window > 1:  # issue K: windows of k frames, one body and tracker per window
     batch = input_pipeline.augment_windows(batch, key, config.augment, rig)
   else:
     batch = input_pipeline.augment(batch, key, config.augment, rig)
   pred = model(batch['input_positions'], deterministic=False,
                **model_lib.extra_inputs(batch, model.config))
-  return losses.ikgat_loss(pred, batch, rig, model.config.output_space, config.loss.alpha,
-                           model.config.bone_chart)
+  loss, aux = losses.ikgat_loss(pred, batch, rig, model.config.output_space, config.loss.alpha,
+                                model.config.bone_chart)
+  if teacher is None:
+    return loss, aux
+  target = jax.lax.stop_gradient(teacher(batch['input_positions'], deterministic=True,
+                                         **model_lib.extra_inputs(batch, teacher.config)))
+  distill = jnp.mean(rotations.geodesic_angle(pred, target), axis=-1)
+  return loss + config.loss.get('distill_weight', 1.0) * distill, {**aux, 'distill_rad': distill}
 
 
 def window_of(config) -> int:
@@ -194,7 +204,21 @@ def load_model(checkpoint_dir: str | os.PathLike, task: Task = IKGAT_TASK,
     raise CheckpointError(
         f'checkpoint {path} is for rig {rig.name!r} ({rig.num_joints} joints), not '
         f'{expected_rig.name!r} ({expected_rig.num_joints} joints)')
-  model = task.build(config, rig, nnx.Rngs(0), None)
-  graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
-  tree, _ = ckpt.restore(checkpointing.abstract_like({'params': params, 'rest': rest}))
-  return nnx.merge(graphdef, tree['params'], rngs, tree['rest']), meta
+  # Built abstractly: no parameter initialisation is computed (one small jitted op per leaf,
+  # about 0.8 s of a CLI run), the checkpoint fills every leaf.
+  abstract = nnx.eval_shape(lambda: task.build(config, rig, nnx.Rngs(0), None))
+  graphdef, params, rngs, rest = nnx.split(abstract, nnx.Param, nnx.RngState, ...)
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                        {'params': params, 'rest': rest})
+  tree, _ = ckpt.restore(target)
+  return nnx.merge(graphdef, tree['params'], jax.tree.map(_fresh_rng, rngs), tree['rest']), meta
+
+
+def _fresh_rng(leaf: jax.ShapeDtypeStruct) -> jax.Array:
+  """A concrete RNG-state leaf (dropout streams: unused by deterministic inference, reseeded
+  by training) for an abstract one: key 0 or a zero counter."""
+  if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    key = jax.random.key(0)
+    return jax.random.split(key, leaf.shape) if leaf.shape else key
+  return jnp.zeros(leaf.shape, leaf.dtype)
