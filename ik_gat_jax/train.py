@@ -206,13 +206,37 @@ def warm_start_params(params: Any, source: str | os.PathLike, task: Task
   return jax.tree_util.tree_map_with_path(take, params), counts
 
 
+def load_teacher(source: str | os.PathLike, task: Task, config, rig: Rig) -> nnx.Module:
+  """The trained model at `source` as a distillation teacher for `config`'s model (issue N:
+  a cheaper student at the base model's accuracy). It must be for the same rig and predict in
+  the same output space and chart (the loss compares the outputs directly) and take the same
+  inputs (window, masks, sparse inputs); its size may differ."""
+  teacher, meta = inference.load_model(source, task, expected_rig=rig)
+  mine = model_lib.ModelConfig.from_dict(config.model)
+  theirs = teacher.config
+  keys = ('output_space', 'bone_chart', 'window', 'window_fps', 'joint_mask',
+          'orientation_inputs', 'end_sites')
+  diff = [k for k in keys if getattr(mine, k) != getattr(theirs, k)]
+  if diff:
+    raise ValueError(f'distillation teacher {source} differs from this model in '
+                     + ', '.join(f'{k} ({getattr(theirs, k)!r} vs {getattr(mine, k)!r})'
+                                 for k in diff) + ': its outputs cannot be the targets')
+  del meta
+  return teacher
+
+
 def saved_part(state: dict, keys=('params', 'rest', 'opt_state', 'step')) -> dict:
   """What a checkpoint stores: no RNG streams (reseeded every step by `fold_in`)."""
   return {k: state[k] for k in keys}
 
 
-def make_train_step(task: Task, graphdef, config, rig: Rig, mesh: Mesh | None = None):
+def make_train_step(task: Task, graphdef, config, rig: Rig, mesh: Mesh | None = None,
+                    teacher: nnx.Module | None = None):
   """The jitted update: `(state, batch) -> (state, metrics)`; donates `state`.
+
+  `teacher` (distillation, `config.train.distill_from`; `load_teacher`): a trained model whose
+  deterministic output on the same augmented inputs the task's loss also matches (its
+  parameters are constants of the compiled step, never updated).
 
   `batch` (global leading axis B) is sharded along `mesh`'s 'data' axis (default: all devices),
   state and metrics are replicated; XLA inserts the gradient all-reduce. Random numbers
@@ -223,8 +247,10 @@ def make_train_step(task: Task, graphdef, config, rig: Rig, mesh: Mesh | None = 
   tx = create_optimizer(config.train)
   base_key = jax.random.key(config.seed)
 
+  teach = {} if teacher is None else {'teacher': teacher}
+
   def loss_fn(model, batch, key):
-    per_example, aux = task.loss(model, batch, key, config, rig)
+    per_example, aux = task.loss(model, batch, key, config, rig, **teach)
     return jnp.mean(per_example), {k: jnp.mean(v) for k, v in aux.items()}
 
   def step(state, batch):
@@ -443,7 +469,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     atomic.write_json(workdir / 'run.json', {**manifest, 'step': int(state['step'])})
     atomic.write_json(workdir / 'config.json', config.to_dict())
 
-  train_step = make_train_step(task, graphdef, config, rig, mesh)
+  teacher = None
+  if tc.get('distill_from'):
+    teacher = load_teacher(tc.distill_from, task, config, rig)
+    log(f'distilling from {tc.distill_from} (loss.distill_weight '
+        f'{config.loss.get("distill_weight", 1.0)})')
+  train_step = make_train_step(task, graphdef, config, rig, mesh, teacher)
   predict = make_predict(task, graphdef, config, rig, mesh)
   writer = MetricWriter(workdir, enabled=chief)
   step = int(state['step'])

@@ -170,3 +170,30 @@ def test_ctrl_c_mid_run_saves_and_resumes(cmu_shards, tmp_path):
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
   assert "resumed from" in done.stdout and json.loads(
       (workdir / 'run.json').read_text())['status'] == 'done'
+
+
+def test_distillation_adds_the_angle_to_the_teacher(cmu_shards, tiny_ikgat_run, tmp_path,
+                                                    tiny_config):
+  """`train.distill_from`: a student that starts as the teacher's exact function (warm start,
+  dropout off) has a distillation term of ~0 at step 1 (float32 round-off of the same
+  computation; a student of its own initialisation is 0.1-0.5 rad away) and its loss is the
+  usual terms + distill_weight x that term; a teacher that predicts in another output space is
+  refused with the reason."""
+  c = tiny_config(cmu_shards, model=dict(dropout=0.0),
+                  train=dict(steps=1, log_every=1, eval_every=100, init_from=str(tiny_ikgat_run),
+                             distill_from=str(tiny_ikgat_run)))
+  c.loss.distill_weight = 3.0
+  lines = []
+  train.train_and_evaluate(c, tmp_path / 'student', log=lines.append)
+  assert any(m.startswith(f'distilling from {tiny_ikgat_run}') for m in lines), lines
+  first = [json.loads(x) for x in (tmp_path / 'student' / 'log.jsonl').read_text().splitlines()
+           if '"train"' in x][0]
+  assert 0.0 <= first['distill_rad'] < 1e-3, first
+  np.testing.assert_allclose(
+      first['loss'], first['rot_rad'] + c.loss.alpha * first['pos_dm'] + 3.0 * first[
+          'distill_rad'], rtol=1e-5)
+  other = tiny_config(cmu_shards, model=dict(output_space='local'))
+  with pytest.raises(ValueError, match=r"differs from this model in output_space \('bone_aligned'"
+                     r" vs 'local'\)"):
+    train.load_teacher(tiny_ikgat_run, inference.IKGAT_TASK, other,
+                       data.load_shards(cmu_shards, 'train').rig)

@@ -30,8 +30,12 @@ def get_config() -> ml_collections.ConfigDict:
       checkpoint_every=500, val_frames=4096, eval_batch_size=1024, prefetch=2,
       # A trained run or checkpoint to start from (train.warm_start_params: matching
       # parameters copied, grown ones zero-padded); '' = a fresh initialisation.
-      init_from=''))
-  c.loss = ml_collections.ConfigDict(dict(alpha=0.1))
+      init_from='',
+      # A trained model to distil from (train.load_teacher: same rig, output space and
+      # inputs, any size); '' = none. The loss adds loss.distill_weight x the mean angle
+      # between the model's output and the teacher's on the same augmented input.
+      distill_from=''))
+  c.loss = ml_collections.ConfigDict(dict(alpha=0.1, distill_weight=1.0))
   c.augment = ml_collections.ConfigDict(dict(yaw=True, mirror=0.5, bone_scale=0.07,
                                              noise_mm=0.0))
   # Sparse inputs (G2; 0 = off; input_pipeline.sample_input_masks): per-frame joint dropout
