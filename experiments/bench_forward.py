@@ -4,7 +4,11 @@
   taskset -c 0 python -m experiments.bench_forward        # pinned to one core
 
 Prints median and p99 milliseconds per call and frames/s (compiled; every call waited on with
-`block_until_ready`). No input checks or host conversions: the floor under `IKSolver.step`.
+`block_until_ready`), XLA's FLOPs per frame and, with --matmul (default), the rate as a share of a
+float32 2048 x 2048 matmul's GFLOP/s measured first in the same process (issue N's 75% target).
+No input checks or host conversions: the floor under `IKSolver.step`. `--attention=dense`
+evaluates the graph attention on all J x J pairs (the same function, the form used before
+issue N) for comparison.
 """
 
 import time
@@ -13,12 +17,19 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from experiments.common import fail_on_user_error
-from ik_gat_jax import bone_frames, inference
+from experiments import benchmark_suite
+from ik_gat_jax import bone_frames, gat, inference
 
 _CKPT = flags.DEFINE_string('checkpoint', None, 'IK-GAT run or checkpoint (default: shipped).')
 _BATCHES = flags.DEFINE_list('batches', ['1', '64', '256'], 'Batch sizes.')
+_ATTENTION = flags.DEFINE_enum('attention', 'neighbours', ['neighbours', 'dense'],
+                               'How the graph attention is evaluated (the same function): on '
+                               'the neighbour table (default) or on all J x J pairs, masked.')
+_MATMUL = flags.DEFINE_bool('matmul', True, "Also measure a float32 2048 matmul's GFLOP/s and "
+                            "give each batch's rate (XLA's FLOP count) as a share of it.")
 _CALLS = flags.DEFINE_integer('calls', 2000, 'Timed calls per batch size (batch 1; fewer for '
                               'larger batches).')
 
@@ -28,14 +39,22 @@ def main(argv):
   del argv
   model, _ = inference.load_model(_CKPT.value or inference.SHIPPED_IKGAT)
   rig = model.rig
+  for _, module in nnx.iter_graph(model):
+    if isinstance(module, gat.GraphAttention):
+      module.form = _ATTENTION.value
   B = bone_frames.bone_frames(jnp.asarray(rig.template(), jnp.float32), rig)[None]
   forward = jax.jit(lambda p: inference.ikgat_infer(model, {'positions': p, 'bone_frames': B}))
   rng = np.random.default_rng(0)
   print(f'IK-GAT ({model.config.size}) forward + local rotations, {jax.default_backend()}, '
-        f'{len(jax.devices())} device(s)')
+        f'{len(jax.devices())} device(s), attention on {_ATTENTION.value}')
+  rate = benchmark_suite.matmul_gflops(2048)['gflops_per_s'] if _MATMUL.value else None
+  if rate:
+    print(f'float32 2048 x 2048 matmul: {rate:.1f} GFLOP/s (the % column is of this)')
   for b in (int(x) for x in _BATCHES.value):
     p = jnp.asarray(rig.template().cumsum(0)[None] + 0.05 * rng.normal(size=(b, rig.num_joints,
                                                                              3)), jnp.float32)
+    cost = forward.lower(p).compile().cost_analysis()
+    flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost)['flops']) / b
     jax.block_until_ready(forward(p))
     times = []
     for _ in range(max(_CALLS.value // b, 20)):
@@ -43,8 +62,10 @@ def main(argv):
       jax.block_until_ready(forward(p))
       times.append(time.perf_counter() - t)
     ms = 1000 * np.asarray(times)
+    fps = b / np.median(ms) * 1000
+    share = f', {100 * fps * flops / 1e9 / rate:.1f}% of the matmul' if rate else ''
     print(f'batch {b:5d}: median {np.median(ms):.3f} ms, p99 {np.percentile(ms, 99):.3f} ms, '
-          f'{b / np.median(ms) * 1000:,.0f} frames/s')
+          f'{fps:,.0f} frames/s ({flops / 1e6:.2f} MFLOP/frame{share})')
 
 
 if __name__ == '__main__':

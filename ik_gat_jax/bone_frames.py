@@ -71,9 +71,14 @@ def bone_frames(offsets: jax.Array, rig: Rig) -> jax.Array:
 
 
 def bone_frames_np(offsets: np.ndarray, rig: Rig) -> np.ndarray:
-  """Host float64 version of `bone_frames` (stored with the data)."""
+  """Host float64 version of `bone_frames` (stored with the data). Jitted: one compiled call
+  (from the persistent cache on a second run) instead of a dozen eager ops, each its own
+  small executable (~0.2 s of a CLI start)."""
   with jax.enable_x64(True):
-    return np.asarray(bone_frames(jnp.asarray(offsets, jnp.float64), rig))
+    return np.asarray(_bone_frames_jit(jnp.asarray(offsets, jnp.float64), rig))
+
+
+_bone_frames_jit = jax.jit(bone_frames, static_argnums=1)
 
 
 def q_from_global(global_rot: jax.Array, B: jax.Array) -> jax.Array:
