@@ -47,10 +47,13 @@ class GraphAttention(nnx.Module):
     self.num_heads, self.head_dim = num_heads, out_features // num_heads
     self.scoring, self.aggregation, self.negative_slope = scoring, aggregation, negative_slope
     self.value = nnx.Linear(in_features, out_features, rngs=rngs)  # W: the messages
-    # How __call__ evaluates the (same) function: 'neighbours' (the padded neighbour table,
-    # fast) or 'dense' (all J x J pairs masked, `weights()`; kept as the reference and for
-    # experiments.bench_forward --attention=dense). Static, not state.
-    self.form = 'neighbours'
+    # How __call__ evaluates the (same) function: 'dense' (all J x J pairs masked, `weights()`)
+    # or 'neighbours' (the padded neighbour table, D = 5 slots of J = 21 on the CMU tree).
+    # Dense is the default: on this 2-core CPU the whole base model is 1.4x slower at batch
+    # 64-4096 and 1.1x at batch 1 on the neighbour table, though it computes 5% fewer FLOPs
+    # (`python -m experiments.bench_forward --attention=neighbours|dense`, BENCHMARKS.md
+    # "Throughput"). Static, not state.
+    self.form = 'dense'
     if aggregation == 'mean':
       return
     init = nnx.initializers.lecun_normal()
@@ -105,11 +108,9 @@ class GraphAttention(nnx.Module):
     return nbr, valid
 
   def __call__(self, h: jax.Array) -> jax.Array:
-    """The same function as `weights` (the attention `attn @ messages`), evaluated on the
-    neighbour table instead of all J x J pairs: `[..., J, D, H]` scores, softmax over D,
-    messages gathered per neighbour slot. Layout `[..., J, H, C]` throughout (no transposes).
-    Measured (2-core CPU, base width): the layer 1.5x faster at batch 64-1024 than the dense
-    form, equal at batch 1 (BENCHMARKS.md "Throughput")."""
+    """`attn @ messages` of `weights`, heads concatenated. With `form='neighbours'` the same
+    function on the neighbour table instead of all J x J pairs: `[..., J, D, H]` scores,
+    softmax over D, messages gathered per neighbour slot, layout `[..., J, H, C]`."""
     if self.form == 'dense':
       attn, wh = self.weights(h)
       return (attn @ wh).swapaxes(-2, -3).reshape(*h.shape[:-1], self.num_heads * self.head_dim)

@@ -1,0 +1,78 @@
+"""Fixed causal smoothers of the input against the learned window model (issue K's reading).
+
+  python -m experiments.causal_fit --data=/tmp/cmu --split=val [--noise_mm=0,20] \
+      [--fits=1:0,4:1,8:1,12:1,16:1,16:2,24:2] [--output_json=FILE]
+
+Each noisy frame is replaced by the endpoint of a least-squares polynomial fit (degree d) to it
+and its k-1 predecessors (the same causal windows at 30 fps as the window model, the first
+frames of a clip repeating the first; windows.py), then solved by the per-frame shipped model;
+scored like every method (`evaluation.evaluate`: i.i.d. Gaussian noise per coordinate, seed 0;
+local error, MPJPE, jitter / ground truth). `k:d` = 1:0 is the per-frame model itself. What it
+shows: how far a causal smoother of the input alone gets (noise down by the fit's endpoint
+variance, (4k-2)/(k(k+1)) of sigma^2 for a line, but lag wherever the motion is not a
+polynomial of degree d over k frames), i.e. what the window model has to beat.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from experiments.common import fail_on_user_error
+from ik_gat_jax import data, evaluation
+from ik_gat_jax.io import atomic
+
+_DATA = flags.DEFINE_string('data', None, 'Shard directory.')
+_SPLIT = flags.DEFINE_string('split', 'val', 'Split (choose on val).')
+_CKPT = flags.DEFINE_string('checkpoint', None, 'Per-frame IK-GAT (default: shipped).')
+_NOISE = flags.DEFINE_list('noise_mm', ['0', '20'], 'Input noise levels (mm).')
+_FITS = flags.DEFINE_list('fits', ['1:0', '4:1', '8:1', '12:1', '16:1', '16:2', '24:2'],
+                          'Window frames k : polynomial degree d.')
+_OUTPUT = flags.DEFINE_string('output_json', None, 'Write the rows here too.')
+
+
+def endpoint_weights(k: int, degree: int) -> np.ndarray:
+  """`[k]` weights (oldest first) giving the value at the newest frame of the least-squares
+  polynomial of `degree` through k equally spaced samples."""
+  t = np.arange(k, dtype=np.float64) - (k - 1)
+  return np.linalg.pinv(np.vander(t, degree + 1, increasing=True))[0]
+
+
+def fitted_method(base: evaluation.Method, k: int, degree: int) -> evaluation.Method:
+  w = jnp.asarray(endpoint_weights(k, degree), jnp.float32)
+
+  def solve(positions, offsets):  # [N, k, J, 3] windows (k > 1) or [N, J, 3]
+    if positions.ndim == 4:
+      positions = jnp.einsum('t,ntjc->njc', w, positions)
+    return base.solve(positions, offsets)
+
+  info = dict(base.info, input_window=k, input_window_fps=30.0)
+  return dataclasses.replace(base, name=f'fit k={k} degree={degree}', solve=solve, info=info)
+
+
+@fail_on_user_error
+def main(argv):
+  del argv
+  ds = data.load_shards(_DATA.value, _SPLIT.value)
+  base = evaluation.make_method('ikgat', ds.rig, checkpoint=_CKPT.value)
+  rows = []
+  print('| k | degree | noise (mm) | local (deg) | MPJPE (mm) | jitter / GT |')
+  print('|---:|---:|---:|---:|---:|---:|')
+  for spec in _FITS.value:
+    k, degree = (int(x) for x in spec.split(':'))
+    method = fitted_method(base, k, degree)
+    for noise in (float(x) for x in _NOISE.value):
+      r = evaluation.evaluate(method, ds, ds.rig, noise_mm=noise)
+      rows.append({'k': k, 'degree': degree, 'noise_mm': noise,
+                   'local_rot_err_deg': r['local_rot_err_deg'], 'mpjpe_mm': r['mpjpe_mm'],
+                   'jitter_ratio': r['jitter_ratio']})
+      print(f"| {k} | {degree} | {noise:g} | {r['local_rot_err_deg']:.2f} | "
+            f"{r['mpjpe_mm']:.1f} | {r['jitter_ratio']:.2f} |", flush=True)
+  if _OUTPUT.value:
+    atomic.write_json(_OUTPUT.value, {'split': _SPLIT.value, 'rows': rows})
+
+
+if __name__ == '__main__':
+  flags.mark_flags_as_required(['data'])
+  app.run(main)
