@@ -6,9 +6,8 @@
 Prints median and p99 milliseconds per call and frames/s (compiled; every call waited on with
 `block_until_ready`), XLA's FLOPs per frame and, with --matmul (default), the rate as a share of a
 float32 2048 x 2048 matmul's GFLOP/s measured first in the same process (issue N's 75% target).
-No input checks or host conversions: the floor under `IKSolver.step`. `--attention=neighbours`
-evaluates the graph attention on the padded neighbour table instead of all J x J pairs (the
-same function; slower here, gat.py) for comparison.
+No input checks or host conversions: the floor under `IKSolver.step`. `--attention=dense|sparse`
+forces one form of the graph attention (the same function; gat.py) for comparison.
 """
 
 import time
@@ -25,9 +24,10 @@ from ik_gat_jax import bone_frames, gat, inference
 
 _CKPT = flags.DEFINE_string('checkpoint', None, 'IK-GAT run or checkpoint (default: shipped).')
 _BATCHES = flags.DEFINE_list('batches', ['1', '64', '256'], 'Batch sizes.')
-_ATTENTION = flags.DEFINE_enum('attention', 'dense', ['dense', 'neighbours'],
-                               'How the graph attention is evaluated (the same function): on '
-                               'all J x J pairs, masked (default), or on the neighbour table.')
+_ATTENTION = flags.DEFINE_enum('attention', 'auto', ['auto', 'dense', 'sparse'],
+                               "How the graph attention is evaluated (the same function; "
+                               "gat.GraphAttention.form): 'auto' (the default), 'dense' or "
+                               "'sparse'.")
 _MATMUL = flags.DEFINE_bool('matmul', True, "Also measure a float32 2048 matmul's GFLOP/s and "
                             "give each batch's rate (XLA's FLOP count) as a share of it.")
 _CALLS = flags.DEFINE_integer('calls', 2000, 'Timed calls per batch size (batch 1; fewer for '

@@ -13,10 +13,19 @@ Scoring of edge k -> i (per head; `W` the message projection, `h` the node featu
 Aggregation 'attention' softmaxes the scores over the neighbours; 'mean' (the non-attentive
 ablation) averages `W h_k` over the neighbours. Layout `[B, H, J, C]`: the GAT and dot logits
 come from one batched matmul each (measured on this CPU: about 2x faster than a naive einsum).
+
+Two evaluations of the same function (`GraphAttention.form`): 'dense' multiplies the masked
+`[J, J]` attention by the messages, one small matmul per example and head; 'sparse' sums each
+node's own neighbours (static slices, 61 terms on the 21-joint CMU tree instead of 441) and
+gets the GAT scores from one block-diagonal matmul. The default 'auto' takes dense for fewer
+than SPARSE_FROM examples (a live frame: dense is 0.035 ms faster per layer) and sparse from
+there (the whole base model 1.3-1.7x the frames/s at batch 64-1024; BENCHMARKS.md
+"Throughput").
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax
@@ -27,6 +36,7 @@ from flax import nnx
 SCORINGS = ('gat', 'gatv2', 'dot')
 AGGREGATIONS = ('attention', 'mean')
 _NEG = -1e30  # masked logit; softmax is taken in float32, so exp() of it is exactly 0
+SPARSE_FROM = 16  # form 'auto': the sparse form from this many examples on (leading axes)
 
 
 class GraphAttention(nnx.Module):
@@ -47,13 +57,12 @@ class GraphAttention(nnx.Module):
     self.num_heads, self.head_dim = num_heads, out_features // num_heads
     self.scoring, self.aggregation, self.negative_slope = scoring, aggregation, negative_slope
     self.value = nnx.Linear(in_features, out_features, rngs=rngs)  # W: the messages
-    # How __call__ evaluates the (same) function: 'dense' (all J x J pairs masked, `weights()`)
-    # or 'neighbours' (the padded neighbour table, D = 5 slots of J = 21 on the CMU tree).
-    # Dense is the default: on this 2-core CPU the whole base model is 1.4x slower at batch
-    # 64-4096 and 1.1x at batch 1 on the neighbour table, though it computes 5% fewer FLOPs
-    # (`python -m experiments.bench_forward --attention=neighbours|dense`, BENCHMARKS.md
-    # "Throughput"). Static, not state.
-    self.form = 'dense'
+    # How __call__ evaluates the (same) function (static, not state): 'dense' (the attention
+    # as a batched [J, J] @ [J, C] product per example and head), 'sparse' (each node's sum over
+    # its own neighbours as static slices, the GAT scores as one block-diagonal matmul; no
+    # batched small dots, no transposes) or 'auto' (the default: sparse from SPARSE_FROM
+    # examples on, dense below). Measured on this 2-core CPU (BENCHMARKS.md "Throughput").
+    self.form = 'auto'
     if aggregation == 'mean':
       return
     init = nnx.initializers.lecun_normal()
@@ -94,47 +103,38 @@ class GraphAttention(nnx.Module):
     logits = jnp.where(mask, logits.astype(jnp.float32), _NEG)
     return jax.nn.softmax(logits, axis=-1).astype(wh.dtype), wh
 
-  def neighbours(self) -> tuple[np.ndarray, np.ndarray]:
-    """The static neighbour table: (`nbr [J, D]` int, `valid [J, D]` bool), row i listing the
-    senders k of node i in increasing order, padded with i itself (invalid) to the largest
-    in-degree D (5 on the CMU tree against J = 21)."""
-    mask = np.asarray(self.adjacency, dtype=bool)
-    J, D = len(mask), int(mask.sum(-1).max())
-    nbr = np.repeat(np.arange(J)[:, None], D, axis=1)
-    valid = np.zeros((J, D), bool)
-    for i in range(J):
-      ks = np.flatnonzero(mask[i])
-      nbr[i, :len(ks)], valid[i, :len(ks)] = ks, True
-    return nbr, valid
+  def _gat_scores(self, flat: jax.Array) -> jax.Array:
+    """'gat' scores from the messages `flat [..., J, H * C]` by one matmul with the
+    block-diagonal `[H * C, 2 H]` of `attn` -> `[..., H, J, 2]` (a_dst, a_src)."""
+    a = self.attn[...]
+    H, C = self.num_heads, self.head_dim
+    block = (jnp.eye(H, dtype=a.dtype)[:, None, :, None] * a[:, :, None, :]).reshape(H * C, 2 * H)
+    s = (flat @ block).reshape(*flat.shape[:-1], H, 2)
+    return jnp.swapaxes(s, -2, -3)
 
   def __call__(self, h: jax.Array) -> jax.Array:
-    """`attn @ messages` of `weights`, heads concatenated. With `form='neighbours'` the same
-    function on the neighbour table instead of all J x J pairs: `[..., J, D, H]` scores,
-    softmax over D, messages gathered per neighbour slot, layout `[..., J, H, C]`."""
-    if self.form == 'dense':
-      attn, wh = self.weights(h)
-      return (attn @ wh).swapaxes(-2, -3).reshape(*h.shape[:-1], self.num_heads * self.head_dim)
-    nbr, valid = self.neighbours()
+    """`attn @ messages` of `weights`, heads concatenated, in the layer's `form`."""
     H, C = self.num_heads, self.head_dim
-    wh = self.value(h)
-    wh = wh.reshape(*wh.shape[:-1], H, C)  # [..., J, H, C]
-    take = lambda x, idx, axis: jnp.take(x, idx, axis=axis)  # static indices: a gather per slot
-    if self.aggregation == 'mean':
-      logits = jnp.zeros(valid.shape + (H,), jnp.float32)  # uniform over the valid slots
-    elif self.scoring == 'gat':
-      s = jnp.einsum('...jhc,hcx->...jhx', wh, self.attn[...])  # [..., J, H, 2]
-      logits = nnx.leaky_relu(s[..., :, None, :, 0] + take(s[..., 1], nbr, -2),
-                              self.negative_slope)  # [..., J, D, H]
-    elif self.scoring == 'gatv2':
-      recv = self.recv(h)
-      recv = recv.reshape(*recv.shape[:-1], H, C)
-      z = nnx.leaky_relu(recv[..., :, None, :, :] + take(wh, nbr, -3), self.negative_slope)
-      logits = jnp.einsum('...jdhc,hc->...jdh', z, self.attn[...])
+    form = self.form
+    if form == 'auto':
+      form = 'sparse' if math.prod(h.shape[:-2]) >= SPARSE_FROM else 'dense'
+    if form == 'dense':
+      attn, wh = self.weights(h)
+      return (attn @ wh).swapaxes(-2, -3).reshape(*h.shape[:-1], H * C)
+    if self.scoring == 'gat' and self.aggregation == 'attention':
+      flat = self.value(h)
+      s = self._gat_scores(flat)
+      logits = nnx.leaky_relu(s[..., :, None, 0] + s[..., None, :, 1], self.negative_slope)
+      mask = np.asarray(self.adjacency, dtype=bool)
+      attn = jax.nn.softmax(jnp.where(mask, logits.astype(jnp.float32), _NEG),
+                            axis=-1).astype(flat.dtype)
+      wh = flat.reshape(*flat.shape[:-1], H, C)  # [..., J, H, C]
     else:
-      q, k = self.query(h), self.key(h)
-      q, k = q.reshape(*q.shape[:-1], H, C), k.reshape(*k.shape[:-1], H, C)
-      logits = jnp.sum(q[..., :, None, :, :] * take(k, nbr, -3), axis=-1) / np.sqrt(C)
-    logits = jnp.where(valid[:, :, None], logits.astype(jnp.float32), _NEG)
-    w = jax.nn.softmax(logits, axis=-2).astype(wh.dtype)  # [..., J, D, H]
-    out = sum(w[..., :, d, :, None] * take(wh, nbr[:, d], -3) for d in range(nbr.shape[1]))
-    return out.reshape(*h.shape[:-1], H * C)
+      attn, wh = self.weights(h)  # 'mean': attn is the [J, J] neighbour average
+      attn = jnp.broadcast_to(attn, wh.shape[:-2] + attn.shape[-2:])
+      wh = wh.swapaxes(-2, -3)
+    out = []
+    for i, row in enumerate(self.adjacency):  # node i: its senders k, static slices
+      terms = [attn[..., :, i, k, None] * wh[..., k, :, :] for k, on in enumerate(row) if on]
+      out.append(sum(terms[1:], terms[0]))
+    return jnp.stack(out, axis=-3).reshape(*h.shape[:-1], H * C)

@@ -126,17 +126,14 @@ def test_adjacency_is_static_not_state():
 
 
 @pytest.mark.parametrize('kind,variant', list(itertools.product(KINDS, VARIANTS)))
-def test_neighbour_table_call_equals_the_dense_attention(kind, variant):
-  """`__call__` in either form (the default dense, the padded neighbour table) is `weights()`'s
-  `attn @ messages` on every adjacency (the full graph: D = J, no padding; the tree: D = 5) and
-  variant."""
+def test_every_form_is_the_dense_attention(kind, variant):
+  """`__call__` in each form ('dense', 'sparse', 'auto' on both sides of SPARSE_FROM) is
+  `weights()`'s `attn @ messages` on every adjacency and variant."""
   layer = _layer(kind, *variant, d_in=8, d_out=8, heads=2)
-  h = jax.random.normal(jax.random.key(6), (3, J, 8))
-  attn, wh = layer.weights(h)
-  dense = (attn @ wh).swapaxes(-2, -3).reshape(3, J, 8)
-  np.testing.assert_allclose(layer(h), dense, rtol=1e-6, atol=1e-7)
-  layer.form = 'neighbours'
-  np.testing.assert_allclose(layer(h), dense, rtol=1e-5, atol=1e-6)
-  nbr, valid = layer.neighbours()
-  assert valid.sum() == np.asarray(RIG.adjacency(kind)).sum()
-  assert nbr.shape[1] == (J if kind == 'full' else int(valid.sum(-1).max()))
+  for batch in (3, gat.SPARSE_FROM):
+    h = jax.random.normal(jax.random.key(6), (batch, J, 8))
+    attn, wh = layer.weights(h)
+    want = np.asarray((attn @ wh).swapaxes(-2, -3).reshape(batch, J, 8))
+    for form in ('dense', 'sparse', 'auto'):
+      layer.form = form
+      np.testing.assert_allclose(layer(h), want, rtol=1e-5, atol=1e-6, err_msg=form)
