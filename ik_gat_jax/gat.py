@@ -18,9 +18,9 @@ Two evaluations of the same function (`GraphAttention.form`): 'dense' multiplies
 `[J, J]` attention by the messages, one small matmul per example and head; 'sparse' sums each
 node's own neighbours (static slices, 61 terms on the 21-joint CMU tree instead of 441) and
 gets the GAT scores from one block-diagonal matmul. The default 'auto' takes dense for fewer
-than SPARSE_FROM examples (a live frame: dense is 0.035 ms faster per layer) and sparse from
-there (the whole base model 1.3-1.7x the frames/s at batch 64-1024; BENCHMARKS.md
-"Throughput").
+than SPARSE_FROM examples (a live frame: dense is 0.035 ms faster per layer) and in training
+(the sparse gradient compiles 2.5x slower), sparse for inference from there (the whole base
+model 1.1-1.5x the frames/s at batch 64-1024; BENCHMARKS.md "Throughput").
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class GraphAttention(nnx.Module):
     # as a batched [J, J] @ [J, C] product per example and head), 'sparse' (each node's sum over
     # its own neighbours as static slices, the GAT scores as one block-diagonal matmul; no
     # batched small dots, no transposes) or 'auto' (the default: sparse from SPARSE_FROM
-    # examples on, dense below). Measured on this 2-core CPU (BENCHMARKS.md "Throughput").
+    # examples on in inference, dense below and in training). Measured on this 2-core CPU (BENCHMARKS.md "Throughput").
     self.form = 'auto'
     if aggregation == 'mean':
       return
@@ -112,12 +112,15 @@ class GraphAttention(nnx.Module):
     s = (flat @ block).reshape(*flat.shape[:-1], H, 2)
     return jnp.swapaxes(s, -2, -3)
 
-  def __call__(self, h: jax.Array) -> jax.Array:
-    """`attn @ messages` of `weights`, heads concatenated, in the layer's `form`."""
+  def __call__(self, h: jax.Array, *, training: bool = False) -> jax.Array:
+    """`attn @ messages` of `weights`, heads concatenated, in the layer's `form`. `training`
+    (a gradient will be taken): 'auto' stays dense, whose gradient compiles 2.5x faster (4 vs
+    10 s for the base model) and training runs compile it on every start."""
     H, C = self.num_heads, self.head_dim
     form = self.form
     if form == 'auto':
-      form = 'sparse' if math.prod(h.shape[:-2]) >= SPARSE_FROM else 'dense'
+      form = ('sparse' if not training and math.prod(h.shape[:-2]) >= SPARSE_FROM
+              else 'dense')
     if form == 'dense':
       attn, wh = self.weights(h)
       return (attn @ wh).swapaxes(-2, -3).reshape(*h.shape[:-1], H * C)

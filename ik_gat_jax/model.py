@@ -282,7 +282,7 @@ class Block(nnx.Module):
       self.ffn_in = self.ffn_out = self.ffn_norm = None
 
   def __call__(self, h: jax.Array, *, deterministic: bool) -> jax.Array:
-    a = self.attn(h)
+    a = self.attn(h, training=not deterministic)
     if self.pool is not None:
       a = a + self.pool(jnp.mean(h, axis=-2, keepdims=True))
     h = self.norm(h + self.dropout(nnx.elu(a), deterministic=deterministic))
