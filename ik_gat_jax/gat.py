@@ -17,10 +17,11 @@ come from one batched matmul each (measured on this CPU: about 2x faster than a 
 Two evaluations of the same function (`GraphAttention.form`): 'dense' multiplies the masked
 `[J, J]` attention by the messages, one small matmul per example and head; 'sparse' sums each
 node's own neighbours (static slices, 61 terms on the 21-joint CMU tree instead of 441) and
-gets the GAT scores from one block-diagonal matmul. The default 'auto' takes dense for fewer
-than SPARSE_FROM examples (a live frame: dense is 0.035 ms faster per layer) and in training
-(the sparse gradient compiles 2.5x slower), sparse for inference from there (the whole base
-model 1.1-1.5x the frames/s at batch 64-1024; BENCHMARKS.md "Throughput").
+gets the GAT scores from one block-diagonal matmul. 'auto' takes dense for fewer than
+SPARSE_FROM examples (a live frame: dense is 0.035 ms faster per layer) and in training (the
+sparse gradient compiles 2.5x slower), sparse for inference from there (the whole base model
+1.1-1.5x the frames/s at batch 64-1024; BENCHMARKS.md "Throughput"). The default is 'dense'
+(compile time, see `GraphAttention.form`); `set_form` switches a model's layers.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ class GraphAttention(nnx.Module):
     # How __call__ evaluates the (same) function (static, not state): 'dense' (the attention
     # as a batched [J, J] @ [J, C] product per example and head), 'sparse' (each node's sum over
     # its own neighbours as static slices, the GAT scores as one block-diagonal matmul; no
-    # batched small dots, no transposes) or 'auto' (the default: sparse from SPARSE_FROM
-    # examples on in inference, dense below and in training). Measured on this 2-core CPU (BENCHMARKS.md "Throughput").
-    self.form = 'auto'
+    # batched small dots, no transposes) or 'auto' (sparse from SPARSE_FROM examples on in
+    # inference, dense below and in training). Default 'dense': the sparse form compiles 1.5x
+    # (forward) to 2.5x (gradient) slower, far more on the full graph, which made the test
+    # suite 30% slower; `set_form(model, 'auto')` opts in (faster batched inference).
+    self.form = 'dense'
     if aggregation == 'mean':
       return
     init = nnx.initializers.lecun_normal()
@@ -141,3 +144,13 @@ class GraphAttention(nnx.Module):
       terms = [attn[..., :, i, k, None] * wh[..., k, :, :] for k, on in enumerate(row) if on]
       out.append(sum(terms[1:], terms[0]))
     return jnp.stack(out, axis=-3).reshape(*h.shape[:-1], H * C)
+
+
+def set_form(model, form: str) -> None:
+  """Sets `form` ('dense', 'sparse', 'auto') on every GraphAttention of `model` (in place; the
+  same function, a different evaluation; before jitting)."""
+  if form not in ('dense', 'sparse', 'auto'):
+    raise ValueError(f"form must be 'dense', 'sparse' or 'auto', got {form!r}")
+  for _, module in nnx.iter_graph(model):
+    if isinstance(module, GraphAttention):
+      module.form = form
