@@ -412,7 +412,7 @@ def _infer(graphdef, rig: Rig, refine, state, positions, offsets, B, sparse=None
 
 def _make_stream_step(graphdef, treedef, rig: Rig, counter: list[int], refine,
                       config: temporal.FilterConfig, fps: float):
-  """jit((state, filter state, one frame [1, J, 3], offsets, B, sparse)) -> (filter state,
+  """jit((state leaves, filter state, one frame [1, J, 3], offsets, B, sparse)) -> (filter state,
   filtered local [J, 3, 3]): network and temporal filter in one call, so a filtered live stream
   pays one dispatch per frame, not two (measured: +42% latency as two calls)."""
 

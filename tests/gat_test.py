@@ -137,3 +137,13 @@ def test_every_form_is_the_dense_attention(kind, variant):
     for form in ('dense', 'sparse', 'auto'):
       layer.form = form
       np.testing.assert_allclose(layer(h), want, rtol=1e-5, atol=1e-6, err_msg=form)
+
+
+def test_set_form_switches_every_layer_and_refuses_an_unknown_form():
+  net = model.create_model(model.ModelConfig(size='tiny'), RIG, nnx.Rngs(0))
+  layers = [m for _, m in nnx.iter_graph(net) if isinstance(m, gat.GraphAttention)]
+  assert layers and {m.form for m in layers} == {'dense'}
+  gat.set_form(net, 'auto')
+  assert {m.form for m in layers} == {'auto'}
+  with pytest.raises(ValueError, match="form must be 'dense', 'sparse' or 'auto', got 'fast'"):
+    gat.set_form(net, 'fast')
