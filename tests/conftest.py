@@ -1,5 +1,4 @@
-"""Shared test set-up: CPU JAX, a persistent compilation cache, fast XLA compiles, the CMU data
-location."""
+"""Shared test set-up: CPU JAX, a persistent compilation cache, the CMU data location."""
 
 import os
 from pathlib import Path
@@ -8,17 +7,6 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', str(REPO / '.jax_cache'))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.5')
-# Tests check results, not speed: XLA's CPU backend at LLVM optimisation level 1 compiles the
-# suite's hundreds of small programs faster for the same computation (to float rounding), and
-# its code still runs the training tests at about the default's speed (level 0 compiles
-# fastest but ran the 150-frame overfit test 2-4x slower). Subprocesses the tests start
-# inherit it. A level set in XLA_FLAGS by the caller wins; TEST_XLA_OPT_LEVEL=default keeps
-# XLA's own.
-TEST_XLA_OPT_LEVEL = os.environ.get('TEST_XLA_OPT_LEVEL', '1')
-if (TEST_XLA_OPT_LEVEL != 'default'
-    and 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', '')):
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             f' --xla_backend_optimization_level={TEST_XLA_OPT_LEVEL}').strip()
 
 import ik_gat_jax  # noqa: E402,F401  (XLA workaround before any computation)
 import jax  # noqa: E402
