@@ -728,15 +728,19 @@ def _to_local_joint_chart(pred: jax.Array, B_frames: jax.Array, rig: Rig,
     return bone_frames.local_from_q(pred, B_frames, rig)
   if output_space != 'mixed':
     raise ValueError(f'unknown output_space {output_space!r}; choose from {OUTPUT_SPACES}')
-  G_q = bone_frames.global_from_q(pred, B_frames)  # right for the bone-aligned joints
-  pred = jnp.broadcast_to(pred, G_q.shape)
-  G = []
-  for j, (p, c) in enumerate(zip(rig.parents, rig.designated_children)):
-    if c >= 0:
-      G.append(G_q[..., j, :, :])
-    else:  # a leaf's output is local: G_leaf = G_parent @ R_leaf
-      G.append(pred[..., j, :, :] if p < 0 else G[p] @ pred[..., j, :, :])
-  local = kinematics.global_to_local(jnp.stack(G, axis=-3), rig.parents)
+  G = bone_frames.global_from_q(pred, B_frames)  # right for the bone-aligned joints
+  pred = jnp.broadcast_to(pred, G.shape)
+  # A local output's world rotation (G_parent @ R) is needed only where the joint has children
+  # (all co-located with it, so it has no bone); a true leaf's local rotation is the output.
+  parents_of_some = set(rig.parents)
+  chain = [j for j, c in enumerate(rig.designated_children) if c < 0 and j in parents_of_some]
+  if chain:
+    Gs = [G[..., j, :, :] for j in range(rig.num_joints)]
+    for j in chain:
+      p = rig.parents[j]
+      Gs[j] = pred[..., j, :, :] if p < 0 else Gs[p] @ pred[..., j, :, :]
+    G = jnp.stack(Gs, axis=-3)
+  local = kinematics.global_to_local(G, rig.parents)
   leaf = np.asarray([c < 0 for c in rig.designated_children])
   return jnp.where(leaf[:, None, None], pred, local)  # leaves exactly as predicted
 
