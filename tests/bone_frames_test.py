@@ -6,6 +6,7 @@ from scipy.spatial.transform import Rotation as SciRot
 
 from ik_gat_jax import bone_frames as bf
 from ik_gat_jax import kinematics, skeleton
+from ik_gat_jax import model as model_lib
 
 
 def _pose(rig, n, seed):
@@ -58,3 +59,51 @@ def test_batched_bone_frames_match_per_subject():
   B = np.asarray(bf.bone_frames(jnp.asarray(subjects), rig))
   for s in range(3):
     np.testing.assert_allclose(B[s], bf.bone_frames_np(subjects[s], rig), atol=1e-5)
+
+
+def test_bone_chart_on_chosen_joints_is_the_per_joint_formula():
+  """`bone_chart` on a joint subset (any order, repeats) = `L_j = B_p^T R_j B_j` (root:
+  `R B`) per chosen joint in float64, the other joints unchanged; `inverse` undoes it."""
+  rig = skeleton.cmu_body()
+  R = np.asarray(_pose(rig, 4, seed=1), np.float64)
+  B = bf.bone_frames_np(rig.template(), rig)
+  for joints in (None, (16, 0, 9, 9, 20, 12), ()):
+    want = R.copy()
+    for j in (range(rig.num_joints) if joints is None else joints):
+      p = rig.parents[j]
+      want[:, j] = (np.eye(3) if p < 0 else B[p]).T @ R[:, j] @ B[j]
+    L = bf.bone_chart(jnp.asarray(R, jnp.float32), jnp.asarray(B[None], jnp.float32),
+                      rig.parents, joints)
+    np.testing.assert_allclose(np.asarray(L), want, atol=1e-5)
+    back = bf.bone_chart(L, jnp.asarray(B[None], jnp.float32), rig.parents, joints, inverse=True)
+    np.testing.assert_allclose(np.asarray(back), R, atol=1e-5)
+
+
+def test_mixed_output_through_a_joint_whose_children_are_co_located():
+  """'mixed' output: a joint without a bone (its only child co-located, so a local output)
+  still carries its rotation to its children: G = G_parent R there. A rig built for it (cmu_body
+  with LeftLeg at LeftUpLeg's position), against the per-joint formula in float64."""
+  base = skeleton.cmu_body()
+  doc = base.to_json()
+  names = base.joint_names
+  up_leg, leg = names.index('LeftUpLeg'), names.index('LeftLeg')
+  off = np.asarray(doc['template_offsets'], np.float64)
+  off[leg] = 0.0
+  doc['template_offsets'] = off.tolist()
+  doc['designated_children'] = list(skeleton.choose_designated_children(base.parents, off))
+  rig = skeleton.Rig.from_json(doc)
+  assert rig.designated_children[up_leg] == -1 and rig.designated_children[leg] >= 0
+  pred = np.asarray(_pose(rig, 3, seed=2), np.float64)
+  B = bf.bone_frames_np(off, rig)
+  local_out = [c < 0 for c in rig.designated_children]
+  G = [None] * rig.num_joints
+  for j, p in enumerate(rig.parents):
+    if not local_out[j]:
+      G[j] = pred[:, j] @ B[j].T
+    else:
+      G[j] = pred[:, j] if p < 0 else G[p] @ pred[:, j]
+  want = np.stack([pred[:, j] if local_out[j] else G[j] if p < 0 else
+                   np.swapaxes(G[p], -1, -2) @ G[j] for j, p in enumerate(rig.parents)], 1)
+  got = model_lib.to_local(jnp.asarray(pred, jnp.float32), jnp.asarray(B[None], jnp.float32),
+                           rig, 'mixed')
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
