@@ -26,11 +26,10 @@ demo: venv
 # pytest exits 5 when it collected no test; that is not a failure of the code.
 # Two workers (pytest-xdist), each test module on one worker (--dist=loadfile: its module
 # fixtures and compiles happen once): most of the suite is single-threaded XLA compiling, so
-# two run side by side on a 2-core machine; modules go out slowest first (tests/conftest.py
-# SLOW_FIRST; --no-loadscope-reorder keeps that order). TEST_WORKERS=0: one process.
+# two run side by side on a 2-core machine. TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 test: venv
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist=loadfile --no-loadscope-reorder tests $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist=loadfile tests $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) .jax_cache

@@ -3,6 +3,24 @@
 import os
 from pathlib import Path
 
+
+def _pin_worker() -> None:
+  """Under pytest-xdist, each worker (and the processes it starts) on its own share of the
+  CPUs, set before JAX creates its thread pool: two workers on two cores each get one core
+  instead of both oversubscribing both (`TEST_PIN_WORKERS=0` turns it off)."""
+  worker = os.environ.get('PYTEST_XDIST_WORKER', '')
+  count = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1') or 1)
+  if (not worker.startswith('gw') or count < 2 or os.environ.get('TEST_PIN_WORKERS') == '0'
+      or not hasattr(os, 'sched_setaffinity')):
+    return
+  cpus = sorted(os.sched_getaffinity(0))
+  if len(cpus) < count:
+    return
+  mine = cpus[int(worker[2:]) % count::count]
+  os.sched_setaffinity(0, mine)
+
+
+_pin_worker()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', str(REPO / '.jax_cache'))
@@ -32,25 +50,6 @@ def require_cmu() -> Path:
 @pytest.fixture(scope='session')
 def cmu_dir() -> Path:
   return require_cmu()
-
-
-# The slowest modules first, longest first (seconds of `--durations=0` in fresh-clone runs, two
-# workers: benchmark ~90, iterative_ik ~90, train ~90, train_rig ~70, device_check ~65, model
-# ~60, evaluation ~55, masking ~50, window_model ~50, scale ~45, distributed ~40, rig_invariance
-# ~40); the rest keep their order after them. The Makefile runs pytest-xdist with
-# `--dist=loadfile --no-loadscope-reorder`, which hands out whole modules in this order to the
-# next free worker: longest first keeps one worker from running a minute-long module alone at
-# the end (xdist's own order, most tests first, put the few-test end-to-end modules last).
-SLOW_FIRST = ('benchmark_test.py', 'iterative_ik_test.py', 'train_test.py', 'train_rig_test.py',
-              'device_check_test.py', 'model_test.py', 'evaluation_test.py', 'masking_test.py',
-              'window_model_test.py', 'scale_test.py', 'distributed_test.py',
-              'rig_invariance_test.py')
-
-
-def pytest_collection_modifyitems(config, items):
-  del config
-  rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
 
 
 def pytest_terminal_summary(terminalreporter):
