@@ -3,24 +3,6 @@
 import os
 from pathlib import Path
 
-
-def _pin_worker() -> None:
-  """Under pytest-xdist, each worker (and the processes it starts) on its own share of the
-  CPUs, set before JAX creates its thread pool: two workers on two cores each get one core
-  instead of both oversubscribing both (`TEST_PIN_WORKERS=0` turns it off)."""
-  worker = os.environ.get('PYTEST_XDIST_WORKER', '')
-  count = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1') or 1)
-  if (not worker.startswith('gw') or count < 2 or os.environ.get('TEST_PIN_WORKERS') == '0'
-      or not hasattr(os, 'sched_setaffinity')):
-    return
-  cpus = sorted(os.sched_getaffinity(0))
-  if len(cpus) < count:
-    return
-  mine = cpus[int(worker[2:]) % count::count]
-  os.sched_setaffinity(0, mine)
-
-
-_pin_worker()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', str(REPO / '.jax_cache'))
