@@ -1,4 +1,4 @@
-"""The `ik-gat` console script (setup.cfg entry point `ik_gat_jax.cli:main`).
+"""The `ik-gat` console script (setup.cfg entry point `ik_gat_jax.cli:entry`).
 
   ik-gat solve --input=FILE --output=FILE [--checkpoint=DIR] ...   positions -> rotations
   ik-gat solve --help                                              the solve flags
@@ -41,5 +41,15 @@ def main(argv: list[str] | None = None) -> int:
   return solve.run([f'{prog} {command}'] + args[1:])
 
 
+def entry() -> None:
+  """The console script: `main` on sys.argv, then the command line's exit
+  (`solve.exit_process`: no final garbage collection)."""
+  status = main()
+  solve = sys.modules.get('ik_gat_jax.solve')  # loaded by a command (not by `--help`)
+  if solve is None:
+    sys.exit(status)
+  solve.exit_process(status)
+
+
 if __name__ == '__main__':
-  sys.exit(main())
+  entry()

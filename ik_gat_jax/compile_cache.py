@@ -1,4 +1,4 @@
-"""The command line's persistent compilation cache: a second run of a command skips compiling.
+"""The command line's persistent caches: a second run of a command skips compiling and orbax.
 
 `enable()` is called by the command-line entry points only (`python -m ik_gat_jax.solve`,
 `ik-gat`), before their first compilation; importing the library never calls it, so a program
@@ -11,7 +11,11 @@ that uses `IKSolver` keeps JAX's own settings. It
 - otherwise points JAX's persistent cache at `$XDG_CACHE_HOME/ik_gat_jax/jax` (default
   `~/.cache/ik_gat_jax/jax`) and, unless `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` is set,
   caches every compilation (`MIN_COMPILE_SECS` = 0). Delete the folder to clear it; JAX
-  keys entries by the program, JAX version, backend and flags, so stale ones are never used.
+  keys entries by the program, JAX version, backend and flags, so stale ones are never used;
+- and turns on the parameter cache, `$XDG_CACHE_HOME/ik_gat_jax/params` (`params_dir()`): a
+  restored checkpoint as one npz named by the hash of the checkpoint's files, which the next
+  run loads with numpy instead of importing and running orbax (checkpointing.py). It follows
+  `IK_GAT_NO_COMPILE_CACHE` and XDG_CACHE_HOME, not a user's JAX cache directory.
 
 Concurrent runs. JAX 0.10.2's file cache (`jax._src.lru_cache.LRUCache`, no size limit) writes
 an entry with `Path.write_bytes` in place: a run reading while another writes can see half an
@@ -41,6 +45,7 @@ MIN_COMPILE_SECS = 0.0
 _TRUE = ('1', 'true', 'yes', 'on')
 
 _status: dict = {'enabled': False, 'reason': 'enable() not called'}
+_params_dir: Path | None = None
 
 
 def default_dir(environ: Mapping[str, str] = os.environ) -> Path:
@@ -59,10 +64,12 @@ def enable(environ: Mapping[str, str] = os.environ) -> Path | None:
 
   Returns the cache directory in effect (the user's own, or the default), None when off.
   """
-  global _status
+  global _status, _params_dir
   if disabled(environ):
     _status = {'enabled': False, 'reason': f'{ENV_OFF}={environ.get(ENV_OFF)}'}
+    _params_dir = None
     return None
+  _params_dir = default_dir(environ).parent / 'params'
   own = jax.config.jax_compilation_cache_dir
   if own:
     _status = {'enabled': True, 'dir': str(own), 'source': 'user', 'atomic_writes': False}
@@ -79,6 +86,12 @@ def enable(environ: Mapping[str, str] = os.environ) -> Path | None:
   _status = {'enabled': True, 'dir': str(path), 'source': 'default',
              'atomic_writes': _install_atomic_cache(path)}
   return path
+
+
+def params_dir() -> Path | None:
+  """The parameter cache's folder once `enable()` turned it on (created on first write), else
+  None: library use restores checkpoints with orbax alone."""
+  return _params_dir
 
 
 def status() -> dict:

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from ik_gat_jax import checkpointing
+from ik_gat_jax import compile_cache
 from ik_gat_jax import input_pipeline
 from ik_gat_jax import iterative_ik
 from ik_gat_jax import losses
@@ -187,10 +188,17 @@ def load_model(checkpoint_dir: str | os.PathLike, task: Task = IKGAT_TASK,
   """Restores a trained model (parameters only) and its meta from a checkpoint directory.
 
   `checkpoint_dir` may be a run's workdir (uses `checkpoints/best`) or a checkpoint directory.
+  Once the command line turned its caches on (`compile_cache.params_dir()`), a checkpoint
+  restored before comes from the parameter cache (checkpointing.py: the same arrays, no orbax).
   """
   path = checkpoint_path(checkpoint_dir)
-  ckpt = checkpointing.Checkpointer(path, create=False)
-  meta = ckpt.restore_meta()
+  cache = compile_cache.params_dir()
+  ckpt, key, meta, cached = None, None, None, None
+  if cache is not None and path.is_dir():
+    key, meta, cached = checkpointing.cache_lookup(cache, path)
+  if meta is None:
+    ckpt = checkpointing.Checkpointer(path, create=False)
+    meta = ckpt.restore_meta()
   if meta.get('task') != task.name:
     raise CheckpointError(f'{path} holds a {meta.get("task")!r} model, '
                                         f'not {task.name!r}')
@@ -211,7 +219,12 @@ def load_model(checkpoint_dir: str | os.PathLike, task: Task = IKGAT_TASK,
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                         {'params': params, 'rest': rest})
-  tree, _ = ckpt.restore(target)
+  tree = None if cached is None else checkpointing.cache_tree(cached, target)
+  if tree is None:
+    ckpt = ckpt or checkpointing.Checkpointer(path, create=False)
+    tree, meta = ckpt.restore(target)
+    if cache is not None:
+      checkpointing.cache_store(cache, key, path, meta, tree)
   return nnx.merge(graphdef, tree['params'], jax.tree.map(_fresh_rng, rngs), tree['rest']), meta
 
 

@@ -3,18 +3,24 @@
 `python -m ik_gat_jax.solve` on a 4-frame clip in subprocesses with a temporary HOME: the first
 run fills `~/.cache/ik_gat_jax/jax`, the second finds every compilation there (no new entry),
 two runs at once on an empty cache both succeed and leave whole entries only, and
-`IK_GAT_NO_COMPILE_CACHE=1` writes nothing. No timing is asserted.
+`IK_GAT_NO_COMPILE_CACHE=1` writes nothing. The parameter cache beside it (checkpointing.py):
+the first run writes one entry, the next loads it without importing orbax, a hit gives the
+checkpoint's own arrays, and a changed or broken checkpoint is never hidden. No timing is
+asserted.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
-from ik_gat_jax import compile_cache, skeleton
+from ik_gat_jax import checkpointing, compile_cache, inference, skeleton
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -128,9 +134,16 @@ def test_xdg_cache_home_concurrent_runs_and_second_run_hits(tiny_npz, tmp_path):
   assert entries and not [p for p in cache.iterdir() if p.name.endswith('.tmp')]
   assert not (tmp_path / 'home' / '.cache').exists()
   assert any(name.startswith('jit_forward') for name in entries), sorted(entries)
+  params = sorted(p.name for p in (xdg / 'ik_gat_jax' / 'params').iterdir())
+  assert len(params) == 1 and params[0].endswith('.npz'), params  # one whole entry
   # A second run is a cache hit: every compilation comes from the entries the two wrote (each
-  # read back whole), none is added, and the output is the same.
-  _solve(tiny_npz, tmp_path / 'd.npz', env)
+  # read back whole), none is added, the parameters come from the cache (orbax is never
+  # imported) and the output is the same.
+  second = subprocess.run([sys.executable, '-X', 'importtime'] + _solve_cmd(
+      tiny_npz, tmp_path / 'd.npz')[1:], cwd=REPO, env=env, capture_output=True, text=True,
+      timeout=300)
+  assert second.returncode == 0, second.stderr[-2000:]
+  assert 'orbax' not in second.stderr and _BAD_ENTRY not in second.stderr
   assert _entries(cache) == entries
   a, b = np.load(tmp_path / 'c0.npz'), np.load(tmp_path / 'd.npz')
   np.testing.assert_array_equal(a['local_rot'], b['local_rot'])
@@ -140,3 +153,73 @@ def test_env_var_turns_it_off(tiny_npz, tmp_path):
   home = tmp_path / 'home'
   _solve(tiny_npz, tmp_path / 'a.npz', _env(home, **{compile_cache.ENV_OFF: '1'}))
   assert not (home / '.cache').exists()
+
+
+# -- the parameter cache (checkpointing.py; turned on by enable()) ---------------------------
+
+
+@pytest.fixture
+def params_cache(tmp_path, monkeypatch):
+  """The parameter cache on, in a temporary folder; a copy of the shipped checkpoint."""
+  cache = tmp_path / 'params'
+  monkeypatch.setattr(compile_cache, '_params_dir', cache)
+  ckpt = tmp_path / 'ckpt'
+  shutil.copytree(inference.SHIPPED_IKGAT, ckpt)
+  return cache, ckpt
+
+
+def _arrays(model) -> list[np.ndarray]:
+  return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def test_params_cache_hit_is_the_checkpoint_without_orbax(params_cache, monkeypatch):
+  cache, ckpt = params_cache
+  model, meta = inference.load_model(ckpt)  # a miss: orbax restores, the entry is written
+  entries = sorted(cache.iterdir())
+  assert [p.suffix for p in entries] == ['.npz'], entries  # one whole entry, no temp file
+  assert entries[0].stem == checkpointing.content_key(ckpt)
+  real = checkpointing.Checkpointer
+
+  def no_orbax(*a, **k):
+    raise AssertionError('a cache hit must not open the checkpoint with orbax')
+
+  monkeypatch.setattr(checkpointing, 'Checkpointer', no_orbax)
+  again, meta2 = inference.load_model(ckpt)
+  assert meta2 == meta
+  for a, b in zip(_arrays(model), _arrays(again), strict=True):  # one process: the same bits
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(checkpointing.CheckpointError, match='is for rig'):  # checks still run
+    inference.load_model(ckpt, expected_rig=skeleton.get_rig('smpl22'))
+  # A truncated entry is a miss: orbax restores and writes it whole again.
+  monkeypatch.setattr(checkpointing, 'Checkpointer', real)
+  entries[0].write_bytes(entries[0].read_bytes()[:1000])
+  inference.load_model(ckpt)
+  key, meta3, cached = checkpointing.cache_lookup(cache, ckpt)
+  assert meta3 == meta and len(cached) == len(_arrays(model))
+  # Any change to the checkpoint's files is a new key (the old entry is never read for it).
+  (ckpt / 'note.txt').write_text('changed')
+  assert checkpointing.content_key(ckpt) != key
+  inference.load_model(ckpt)
+  assert len(list(cache.glob('*.npz'))) == 2
+
+
+def test_params_cache_refuses_an_entry_for_another_tree():
+  want = {'w': jax.ShapeDtypeStruct((2, 3), np.float32), 'b': jax.ShapeDtypeStruct((3,),
+                                                                                  np.float32)}
+  good = {"['w']": np.ones((2, 3), np.float32), "['b']": np.zeros(3, np.float32)}
+  tree = checkpointing.cache_tree(good, want)
+  np.testing.assert_array_equal(tree['w'], good["['w']"])
+  assert checkpointing.cache_tree({**good, "['b']": np.zeros(4, np.float32)}, want) is None
+  assert checkpointing.cache_tree({**good, "['b']": np.zeros(3, np.float64)}, want) is None
+  assert checkpointing.cache_tree({"['w']": good["['w']"]}, want) is None
+  assert checkpointing.cache_tree({**good, "['x']": good["['b']"]}, want) is None
+
+
+def test_params_cache_does_not_hide_a_broken_checkpoint(params_cache):
+  cache, ckpt = params_cache
+  inference.load_model(ckpt)
+  biggest = max((p for p in ckpt.rglob('*') if p.is_file()), key=lambda p: p.stat().st_size)
+  biggest.write_bytes(biggest.read_bytes()[:100])  # a truncated array file: a new key
+  with pytest.raises(checkpointing.CheckpointError) as e:
+    inference.load_model(ckpt)
+  assert '\n' not in str(e.value) and str(ckpt) in str(e.value)

@@ -7,6 +7,9 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', str(REPO / '.jax_cache'))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.5')
+# The command line's parameter cache (compile_cache.py) of the CLI runs the tests start: in the
+# checkout's ignored .jax_cache, not the user's ~/.cache.
+os.environ.setdefault('XDG_CACHE_HOME', str(REPO / '.jax_cache' / 'xdg'))
 
 import ik_gat_jax  # noqa: E402,F401  (XLA workaround before any computation)
 import jax  # noqa: E402
