@@ -7,7 +7,9 @@ Prints median and p99 milliseconds per call and frames/s (compiled; every call w
 `block_until_ready`), XLA's FLOPs per frame and, with --matmul (default), the rate as a share of a
 float32 2048 x 2048 matmul's GFLOP/s measured first in the same process (issue N's 75% target).
 No input checks or host conversions: the floor under `IKSolver.step`. `--attention=dense|sparse`
-forces one form of the graph attention (the same function; gat.py) for comparison.
+forces one form of the graph attention (the same function; gat.py) for comparison, and
+`--micro_batch=N` the block size of a batch (`inference.ikgat_infer`; 0: the batch at once;
+default: the backend's, 64 on the CPU).
 """
 
 import time
@@ -29,6 +31,8 @@ _ATTENTION = flags.DEFINE_enum('attention', 'dense', ['dense', 'auto', 'sparse']
                                "'sparse'.")
 _MATMUL = flags.DEFINE_bool('matmul', True, "Also measure a float32 2048 matmul's GFLOP/s and "
                             "give each batch's rate (XLA's FLOP count) as a share of it.")
+_MICRO = flags.DEFINE_integer('micro_batch', None, 'Examples per block of a batch (0: none; '
+                              'default: inference.micro_batch_size()).')
 _CALLS = flags.DEFINE_integer('calls', 2000, 'Timed calls per batch size (batch 1; fewer for '
                               'larger batches).')
 
@@ -40,18 +44,23 @@ def main(argv):
   rig = model.rig
   gat.set_form(model, _ATTENTION.value)
   B = bone_frames.bone_frames(jnp.asarray(rig.template(), jnp.float32), rig)[None]
-  forward = jax.jit(lambda p: inference.ikgat_infer(model, {'positions': p, 'bone_frames': B}))
+  forward = jax.jit(lambda p: inference.ikgat_infer(model, {'positions': p, 'bone_frames': B},
+                                                    micro_batch=_MICRO.value))
+  # FLOPs from the network unblocked at batch 1: XLA counts a blocked batch's loop body once.
+  whole = jax.jit(lambda p: inference.ikgat_infer(model, {'positions': p, 'bone_frames': B},
+                                                  micro_batch=0))
   rng = np.random.default_rng(0)
   print(f'IK-GAT ({model.config.size}) forward + local rotations, {jax.default_backend()}, '
-        f'{len(jax.devices())} device(s), attention on {_ATTENTION.value}')
+        f'{len(jax.devices())} device(s), attention on {_ATTENTION.value}, blocks of '
+        f'{inference.micro_batch_size() if _MICRO.value is None else _MICRO.value}')
   rate = benchmark_suite.matmul_gflops(2048)['gflops_per_s'] if _MATMUL.value else None
   if rate:
     print(f'float32 2048 x 2048 matmul: {rate:.1f} GFLOP/s (the % column is of this)')
+  cost = whole.lower(jnp.zeros((1, rig.num_joints, 3), jnp.float32)).compile().cost_analysis()
+  flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost)['flops'])
   for b in (int(x) for x in _BATCHES.value):
     p = jnp.asarray(rig.template().cumsum(0)[None] + 0.05 * rng.normal(size=(b, rig.num_joints,
                                                                              3)), jnp.float32)
-    cost = forward.lower(p).compile().cost_analysis()
-    flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost)['flops']) / b
     jax.block_until_ready(forward(p))
     times = []
     for _ in range(max(_CALLS.value // b, 20)):

@@ -98,24 +98,70 @@ def window_of(config) -> int:
   return int(model.get('window', 1)) if model is not None else 1
 
 
+MICRO_BATCH_CPU = 64
+
+
+def micro_batch_size() -> int:
+  """Examples per block of `ikgat_infer` on this backend: 64 on the CPU, where a bigger
+  batch's activations leave the cache (the base network at batch 256-1024 then runs at its
+  batch-64 rate, 1.3x; BENCHMARKS.md "Throughput"); 0 (the batch at once) on accelerators,
+  which want it whole."""
+  return MICRO_BATCH_CPU if jax.default_backend() == 'cpu' else 0
+
+
 def ikgat_infer(model, batch, config=None, rig=None,
-                refine: iterative_ik.SolverConfig | None = None) -> jax.Array:
+                refine: iterative_ik.SolverConfig | None = None,
+                micro_batch: int | None = None) -> jax.Array:
   """The one IK-GAT forward: deterministic, to local rotations `[B, J, 3, 3]` (batch:
   positions, bone_frames; optional joint_mask, orientations, orientation_mask, end_sites,
-  end_site_mask where the model takes them; a window model's history `[B, k-1, J, 3]`). `refine` (amortized + refine, G1) adds that many
-  anchored iterations of the rotation solver from the network's output; it needs
-  `batch['offsets'] [B or 1, J, 3]` and every joint."""
+  end_site_mask where the model takes them; a window model's history `[B, k-1, J, 3]`).
+  `refine` (amortized + refine, G1) adds that many anchored iterations of the rotation solver
+  from the network's output; it needs `batch['offsets'] [B or 1, J, 3]` and every joint. A batch of more than `micro_batch`
+  examples (None: `micro_batch_size()`; 0: never) runs the network in blocks of that many
+  (`lax.map`, the last block padded with copies of the last example): the same function per
+  example, one executable."""
   del config
   rig = rig or model.rig
-  pred = model(batch['positions'], deterministic=True,
-               **model_lib.extra_inputs(batch, model.config))
-  local = model_lib.to_local(pred, batch['bone_frames'], rig, model.config.output_space,
-                             model.config.bone_chart)
+  inputs = {'positions': batch['positions'], 'bone_frames': batch['bone_frames'],
+            **model_lib.extra_inputs(batch, model.config)}
+  mb = micro_batch_size() if micro_batch is None else int(micro_batch)
+  if mb and inputs['positions'].shape[0] > mb:
+    local = _in_blocks(model, inputs, rig, mb)
+  else:
+    local = _network(model, inputs, rig)
   if refine is not None:
     local = iterative_ik.refine_rotations(
         local.astype(jnp.float32), batch['positions'].astype(jnp.float32),
         batch['offsets'].astype(jnp.float32), rig, refine)[0]
   return local
+
+
+def _network(model, inputs: dict, rig: Rig) -> jax.Array:
+  extra = {k: v for k, v in inputs.items() if k not in ('positions', 'bone_frames')}
+  pred = model(inputs['positions'], deterministic=True, **extra)
+  return model_lib.to_local(pred, inputs['bone_frames'], rig, model.config.output_space,
+                            model.config.bone_chart)
+
+
+def _in_blocks(model, inputs: dict, rig: Rig, mb: int) -> jax.Array:
+  """`_network` over blocks of `mb` examples: the inputs with the batch's leading size are cut
+  (padded to whole blocks), the broadcast ones (leading 1) go to every block as they are."""
+  n = inputs['positions'].shape[0]
+  blocks = -(-n // mb)
+  per_frame = {k: v for k, v in inputs.items() if v.shape[0] == n}
+  shared = {k: v for k, v in inputs.items() if k not in per_frame}
+
+  def cut(x):
+    x = jnp.concatenate([x, jnp.repeat(x[-1:], blocks * mb - n, axis=0)]) if blocks * mb > n else x
+    return x.reshape((blocks, mb) + x.shape[1:])
+
+  graphdef, state = nnx.split(model)  # the module goes into lax.map's body as state
+
+  def body(part):
+    return _network(nnx.merge(graphdef, state), {**shared, **part}, rig)
+
+  out = jax.lax.map(body, {k: cut(v) for k, v in per_frame.items()})
+  return out.reshape((blocks * mb,) + out.shape[2:])[:n]
 
 
 def validate_local_rotations(predict, data, config, rig: Rig) -> dict:

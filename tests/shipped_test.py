@@ -3,10 +3,12 @@
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
-from ik_gat_jax import checkpointing, data, evaluation, inference, prior_task, skeleton
+from ik_gat_jax import bone_frames, checkpointing, data, evaluation, inference, prior_task, skeleton
+from ik_gat_jax.io import exports
 
 SHIPPED = Path(__file__).resolve().parents[1] / 'checkpoints'
 
@@ -79,3 +81,25 @@ def test_solver_refine_flag_brings_joints_closer(cmu_dir, tmp_path):
                                                                                full=True)
     err.append(np.linalg.norm(sol.positions_fk - clip.positions, axis=-1)[:, 1:].mean())
   assert err[1] < 0.8 * err[0], err
+
+
+def test_blocked_forward_is_the_whole_batch_forward(cmu_dir):
+  """`ikgat_infer` in blocks of 64 (the CPU default; the last block padded) gives every frame
+  the whole-batch forward's rotations, with the bone frames per frame or broadcast. Tolerance:
+  a different batch shape may change float32 round-off in the matmuls, ~3e-6 per rotation entry
+  (tests/masking_test.py); 2e-5 leaves a factor of 6 and catches any frame moved to another
+  block position or padded wrongly (those change entries by ~1e-1)."""
+  model, _ = inference.load_model(SHIPPED / 'ikgat_base')
+  rig = model.rig
+  clip = exports.read_bvh_clip(cmu_dir / '07_01.bvh', rig, max_frames=150)
+  pos = np.asarray(clip.positions, np.float32)
+  B = bone_frames.bone_frames_np(clip.offsets, rig).astype(np.float32)
+  assert inference.micro_batch_size() == inference.MICRO_BATCH_CPU == 64  # CPU JAX here
+  run = jax.jit(lambda p, b, mb: inference.ikgat_infer(model, {'positions': p, 'bone_frames': b},
+                                                       micro_batch=mb), static_argnums=2)
+  whole = np.asarray(run(pos, B[None], 0))
+  for frames in (B[None], np.repeat(B[None], len(pos), axis=0)):
+    blocked = np.asarray(run(pos, frames, 64))
+    assert blocked.shape == whole.shape == (150, rig.num_joints, 3, 3)
+    np.testing.assert_allclose(blocked, whole, atol=2e-5, rtol=0)
+  assert np.abs(whole[1:] - whole[:-1]).max() > 1e-3  # distinct frames: a shuffle would show
