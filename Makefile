@@ -16,6 +16,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[test]'
+	# Bytecode for the checkout's own modules, written even under PYTHONDONTWRITEBYTECODE (set
+	# on this project's machines): without it every process compiles them from source, 0.3 s
+	# of each command-line run and of each subprocess a test starts (BENCHMARKS.md "Start-up").
+	$(PYTHON) -m compileall -q ik_gat_jax experiments data_prep > /dev/null
 	touch $@
 
 venv: $(VENV)/.installed
