@@ -23,7 +23,9 @@ Compilation. One jitted forward (model merged, deterministic) over `[b, J, 3]` w
 1, 2, 4, ... up to `block_size` (a power-of-two ladder, ending at `block_size`). A batch is
 padded (by repeating its last frame) to its bucket, so a live stream of single frames or small
 batches compiles at most once per bucket. Clips longer than `block_size` run in chunks of
-`block_size` (device memory bounded by one block) with a progress bar on stderr.
+`block_size` (device memory bounded by one block) with a progress bar on stderr; the last chunk
+goes to its own bucket when that is compiled already, else it is padded to a whole block, so a
+long clip never compiles a second shape (0.3 s from the persistent cache, seconds without).
 
 Input checks (`check_positions`, `check_plausibility`): wrong shape or joint count and NaN/inf
 raise `InputError` (a ValueError) naming the expected joints or the frame and joint; bone
@@ -74,6 +76,7 @@ import numpy as np
 from flax import nnx
 
 from ik_gat_jax import bone_frames as bone_frames_lib
+from ik_gat_jax import gat
 from ik_gat_jax import inference
 from ik_gat_jax import iterative_ik
 from ik_gat_jax import kinematics
@@ -479,6 +482,7 @@ class IKSolver:
       self.refine = iterative_ik.SolverConfig(iters=int(refine_iters), lr=REFINE_LR, w_anchor=0.0)
     self._forward = _make_forward(graphdef, self._treedef, self.rig, self._traces, self.refine)
     self._step_exec = None  # `step`'s compiled forward (bucket 1, no sparse input), on first use
+    self._compiled: set[tuple] = set()  # `_signature`s of the clip chunks run so far
     self.supports_masks = bool(model.config.joint_mask)  # sparse inputs (issue G2)
     self.orientation_inputs = tuple(model.config.orientation_inputs)
     self.end_sites = bool(getattr(model.config, 'end_sites', False))
@@ -521,7 +525,7 @@ class IKSolver:
                       joint_map: str | None = None, bvh_units: str | float | None = None,
                       refine_iters: int = 0,
                       temporal_filter: temporal.FilterConfig | None = None,
-                      fps: float = 30.0) -> 'IKSolver':
+                      fps: float = 30.0, attention: str = 'dense') -> 'IKSolver':
     """Loads a run directory or checkpoint (None: `inference.SHIPPED_IKGAT`).
 
     `offsets [J, 3]` (metres) or `offsets_from` (a BVH: its rest offsets reduced to the rig,
@@ -530,7 +534,10 @@ class IKSolver:
     another rig (CheckpointError). `refine_iters > 0` refines each solution with that many
     iterations of the rotation solver (about 1.5-2x the time for 10-20; BENCHMARKS.md).
     `temporal_filter` (None: the checkpoint's `temporal` config, else none) at frame rate `fps`
-    (module docstring).
+    (module docstring). `attention`: how the graph attention is evaluated (`gat.set_form`, the
+    same function): 'dense', or 'auto', the sparse form from 16 frames on: 1.3x the clip
+    path's frames/s once compiled, for a compile 1.3x as long and more tracing, so a program
+    that solves many clips gains and a one-clip run does not (BENCHMARKS.md "Blocks").
     """
     if offsets is not None and offsets_from is not None:  # before the (slow) model load
       raise InputError('give offsets or offsets_from, not both')
@@ -543,6 +550,7 @@ class IKSolver:
     if isinstance(expected_rig, str):
       expected_rig = get_rig(expected_rig)
     model, meta = inference.load_model(path, expected_rig=expected_rig)
+    gat.set_form(model, attention)  # static: before the forward is built
     if offsets_from is not None:
       offsets = exports.read_bvh_offsets(offsets_from, model.rig, joint_map=joint_map,
                                          units=bvh_units)
@@ -643,11 +651,19 @@ class IKSolver:
                        'or end sites')
     return out or None
 
+  @staticmethod
+  def _signature(bucket: int, full: bool, sparse: dict | None) -> tuple:
+    """What a clip chunk's compiled forward depends on (the model and rig are the solver's)."""
+    return bucket, full, tuple(sorted((k, v.shape[1:]) for k, v in (sparse or {}).items()))
+
   def _run(self, pos: np.ndarray, subject, full: bool,
-           sparse: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """One chunk `[n <= block, J, 3]` through its bucket; outputs trimmed to n, numpy."""
+           sparse: dict[str, np.ndarray] | None = None,
+           bucket: int | None = None) -> dict[str, np.ndarray]:
+    """One chunk `[n <= block, J, 3]` through its bucket (or `bucket`); outputs trimmed to n,
+    numpy."""
     n = pos.shape[0]
-    b = bucket_for(n, self.buckets)
+    b = bucket or bucket_for(n, self.buckets)
+    self._compiled.add(self._signature(b, full, sparse))
     pad = lambda a: np.concatenate([a, np.repeat(a[-1:], b - n, axis=0)]) if b > n else a
     pos = pad(pos)
     if sparse is not None:
@@ -700,7 +716,14 @@ class IKSolver:
     for start in range(0, T, self.block_size):
       part = None if sparse is None else {
           k: v[start:start + self.block_size] for k, v in sparse.items()}
-      chunk = self._run(pos[start:start + self.block_size], subject, full, part)
+      n = min(self.block_size, T - start)
+      # A long clip's last chunk: its own bucket only when compiled already, else a whole block
+      # (another shape would trace, lower and compile: 0.3 s even from the persistent cache).
+      bucket = None
+      if T > self.block_size and self._signature(bucket_for(n, self.buckets), full,
+                                                 part) not in self._compiled:
+        bucket = self.block_size
+      chunk = self._run(pos[start:start + n], subject, full, part, bucket)
       for k, v in chunk.items():
         out[k][start:start + len(v)] = v
       bar.update(min(start + self.block_size, T))

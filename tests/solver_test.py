@@ -310,6 +310,11 @@ def test_long_clip_in_chunks_with_progress(tmp_path_factory, solver):
   R = small.solve(pos, progress=False)
   np.testing.assert_allclose(R, solver.solve(pos), atol=2e-5)
   assert small.trace_count == 1  # chunks of 8, 8 and 5 frames: all in bucket 8
+  small.solve(posed_clip(small.rig, small.offsets, T=17, scale=0.2), progress=False)
+  assert small.trace_count == 1  # 8, 8 and 1: the last padded to the block, not bucket 1
+  small.solve(pos[:1], progress=False)  # compiles bucket 1, which a long clip's tail then takes
+  small.solve(posed_clip(small.rig, small.offsets, T=17, scale=0.2), progress=False)
+  assert small.trace_count == 2  # no new shape either way
 
 
 def test_smpl_export(tmp_path_factory, tmp_path, solver):
@@ -351,3 +356,17 @@ def test_cmu_bvh_through_the_joint_map(cmu_dir, solver):
   bones = np.linalg.norm(clip.offsets, axis=-1)
   assert 0.3 < bones[solver.rig.index('LeftLeg')] < 0.6  # metres: a shin
   assert solver.solve(clip.positions).shape == (8, 21, 3, 3)
+
+
+def test_sparse_attention_solves_the_same(tmp_path_factory, solver):
+  """`attention='auto'` (the sparse form from 16 frames on) is the same function as the
+  default dense form (tests/gat_test.py: within float32 round-off); unknown forms are refused."""
+  sparse = IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory), attention='auto')
+  pos = posed_clip(sparse.rig, sparse.offsets, T=20, scale=0.2)
+  np.testing.assert_allclose(sparse.solve(pos), solver.solve(pos), atol=2e-5)
+  x = np.zeros((32,) + pos.shape[1:], np.float32)
+  hlo = [sol._forward.lower(sol._leaves, x, *sol._device_subject(sol.offsets)[:2], False).as_text()
+         for sol in (sparse, solver)]
+  assert hlo[0] != hlo[1]  # another evaluation was compiled, not the dense one again
+  with pytest.raises(ValueError, match='form must be'):
+    IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory), attention='fast')
