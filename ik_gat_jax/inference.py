@@ -103,9 +103,9 @@ MICRO_BATCH_CPU = 64
 
 def micro_batch_size() -> int:
   """Examples per block of `ikgat_infer` on this backend: 64 on the CPU, where a bigger
-  batch's activations leave the cache (the base network at batch 256-1024 then runs at its
-  batch-64 rate, 1.3x; BENCHMARKS.md "Throughput"); 0 (the batch at once) on accelerators,
-  which want it whole."""
+  batch's activations leave the cache (the base network at batch 256-4,096 then runs at about
+  its batch-64 rate, 1.35-1.6x; BENCHMARKS.md "Blocks"); 0 (the batch at once) on
+  accelerators, which want it whole."""
   return MICRO_BATCH_CPU if jax.default_backend() == 'cpu' else 0
 
 
@@ -116,10 +116,10 @@ def ikgat_infer(model, batch, config=None, rig=None,
   positions, bone_frames; optional joint_mask, orientations, orientation_mask, end_sites,
   end_site_mask where the model takes them; a window model's history `[B, k-1, J, 3]`).
   `refine` (amortized + refine, G1) adds that many anchored iterations of the rotation solver
-  from the network's output; it needs `batch['offsets'] [B or 1, J, 3]` and every joint. A batch of more than `micro_batch`
-  examples (None: `micro_batch_size()`; 0: never) runs the network in blocks of that many
-  (`lax.map`, the last block padded with copies of the last example): the same function per
-  example, one executable."""
+  from the network's output; it needs `batch['offsets'] [B or 1, J, 3]` and every joint. A
+  batch of more than `micro_batch` examples (None: `micro_batch_size()`; 0: never) runs the
+  network in blocks of that many (`lax.map`, the last block padded with copies of the last
+  example): the same function per example, one executable."""
   del config
   rig = rig or model.rig
   inputs = {'positions': batch['positions'], 'bone_frames': batch['bone_frames'],
