@@ -394,18 +394,18 @@ def inference_section(model, rig, dtype: str, o: Options, seconds: float) -> dic
   rest = skeleton.rest_positions_np(rig.template(), rig.parents)
   rest = jnp.asarray(rest - rest[:1], jnp.float32)
 
-  @functools.partial(jax.jit, static_argnums=1)
-  def forward(p, micro_batch=None):
-    return inference.ikgat_infer(net, {'positions': p.astype(dtype), 'bone_frames': B},
-                                 micro_batch=micro_batch).astype(jnp.float32)
+  @jax.jit
+  def forward(p):
+    return inference.ikgat_infer(net, {'positions': p.astype(dtype), 'bone_frames': B}
+                                 ).astype(jnp.float32)
 
   @functools.partial(jax.jit, static_argnums=1)
   def inputs(key, b):
     return rest + 0.03 * jax.random.normal(key, (b, rig.num_joints, 3), jnp.float32)
 
-  # FLOPs per frame of the network unblocked at batch 1 (the same at every batch): XLA counts
-  # the loop body of a batch run in blocks (`inference.micro_batch_size`, the CPU) once.
-  flops = _flops(forward.lower(inputs(jax.random.key(0), 1), 0).compile())
+  # FLOPs per frame from the sweep's first batch, 1, unblocked (the same at every batch): XLA
+  # counts the loop body of a batch run in blocks (`inference.micro_batch_size`, the CPU) once.
+  flops = {}
 
   def measure(b: int) -> dict:
     p = inputs(jax.random.key(b), b)
@@ -413,8 +413,10 @@ def inference_section(model, rig, dtype: str, o: Options, seconds: float) -> dic
     compiled = forward.lower(p).compile()
     compile_s = time.perf_counter() - t
     times, first = timed_calls(lambda: compiled(p), jax.block_until_ready, o.measure_s)
-    out = {**rate_fields(times, b, first), 'compile_s': compile_s, 'flops_per_frame': flops}
-    return out
+    if not flops:
+      flops['per_frame'] = _flops(compiled) / b
+    return {**rate_fields(times, b, first), 'compile_s': compile_s,
+            'flops_per_frame': flops['per_frame']}
 
   return doubling_sweep(measure, o.max_batch, seconds, jax_oom)
 
