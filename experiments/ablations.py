@@ -18,7 +18,8 @@ affected.
 
 Table 'robust' (issue J): every row trains with the tracker noise model (NOISE_MODEL_ARGS), then
 adds the v2 recipe (heading canonicalisation instead of yaw augmentation, observed-direction
-head), the observed-direction blend, the noise-level input; seeds 0 and 1
+head), the observed-direction blend, the noise-level input, the parameters' moving average;
+seeds 0 and 1
 (`--mode=list --only=robust`). The report gives the rows of CURVE_TABLES (baseline, noise,
 robust) the noise curve 0-50 mm (NOISE_LEVELS_MM), over all test frames and the unseen subject,
 and every row its unseen-subject error.
@@ -85,6 +86,8 @@ V2_ARGS = (_m('heading_canonicalization', True), '--config.augment.yaw=False',
            _m('observed_direction_head', True))
 BLEND_ARGS = (_m('observed_direction_blend', True),)
 NOISE_LEVEL_ARGS = (_m('noise_level_input', True),)
+# Session 9: the parameters' moving average (train.ema_decay; horizon ~200 of the 2,000 steps).
+EMA_ARGS = ('--config.train.ema_decay=0.995',)
 ROBUST_ROWS = tuple(
     Row('robust', variant, args, seed) for seed in (0, 1) for variant, args in (
         ('noise model', NOISE_MODEL_ARGS),
@@ -93,7 +96,9 @@ ROBUST_ROWS = tuple(
         ('noise model + v2 + blend (observed-direction blend)',
          NOISE_MODEL_ARGS + V2_ARGS + BLEND_ARGS),
         ('noise model + v2 + blend + noise level (noise-level input)',
-         NOISE_MODEL_ARGS + V2_ARGS + BLEND_ARGS + NOISE_LEVEL_ARGS)))
+         NOISE_MODEL_ARGS + V2_ARGS + BLEND_ARGS + NOISE_LEVEL_ARGS),
+        ('noise model + v2 + blend + noise level + EMA (parameter average, decay 0.995)',
+         NOISE_MODEL_ARGS + V2_ARGS + BLEND_ARGS + NOISE_LEVEL_ARGS + EMA_ARGS)))
 
 
 # The baseline appears in every table under the name of its setting there.

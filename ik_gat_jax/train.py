@@ -11,10 +11,12 @@ shared:
   sharded along it, parameters and optimizer state replicated; the same code runs on one CPU,
   one GPU, N devices or several hosts (`initialize_distributed`, each host reading its own rows
   of the global batch). Results do not depend on the device count up to float summation order;
+- optionally (`train.ema_decay` > 0) an exponential moving average of the parameters, updated
+  every step (`ema_update`), which validation and the `best` checkpoint use;
 - periodic validation, live progress (step, loss, val error, train and input-pipeline
   frames/s, ETA), JSONL and TensorBoard logs, a run manifest (`run.json`), written by process 0;
 - orbax checkpoints: `checkpoints/latest` (full state, for resuming) and `checkpoints/best`
-  (parameters only, best validation metric), each carrying config, rig, metrics, provenance;
+  (parameters only, or their average, best validation metric), each carrying config, rig, metrics, provenance;
   restored onto the current mesh, so a run saved on 8 devices resumes on 1.
 Library code never reads flags: `experiments/train.py` parses them and calls
 `train_and_evaluate(config, workdir)`.
@@ -176,7 +178,38 @@ def init_state(task: Task, config, rig: Rig, train_data):
   opt_state = create_optimizer(config.train).init(params)
   state = {'params': params, 'rngs': rngs, 'rest': rest, 'opt_state': opt_state,
            'step': jnp.zeros((), jnp.int32)}
+  if ema_decay(config.train):
+    state['ema'] = copy_tree(params)
   return graphdef, state
+
+
+def ema_decay(train_cfg) -> float:
+  """`train.ema_decay`: 0 (or absent, as in configs written before it) = no average."""
+  d = float(train_cfg.get('ema_decay', 0.0) or 0.0)
+  if not 0.0 <= d < 1.0:
+    raise ValueError(f'train.ema_decay must be in [0, 1), got {d}')
+  return d
+
+
+def copy_tree(tree: Any) -> Any:
+  """A copy with its own buffers (the train step donates the state)."""
+  return jax.tree.map(jnp.copy, tree)
+
+
+def ema_update(ema: Any, params: Any, step: jax.Array, decay: float) -> Any:
+  """One step of the parameters' exponential moving average, after update number `step` (1 for
+  the first): `ema <- d ema + (1 - d) params` with `d = min(decay, (1 + step) / (10 + step))`,
+  so the first updates are not dominated by the initialisation (the warm-up of TensorFlow's
+  ExponentialMovingAverage with num_updates)."""
+  t = step.astype(jnp.float32)
+  d = jnp.minimum(decay, (1.0 + t) / (10.0 + t))
+  return jax.tree.map(lambda e, p: (d * e + (1 - d) * p).astype(e.dtype), ema, params)
+
+
+def evaluated_part(state: dict) -> dict:
+  """The state validation and the `best` checkpoint use: the moving average of the parameters
+  in place of the parameters when the run keeps one (`train.ema_decay`)."""
+  return {**state, 'params': state['ema']} if 'ema' in state else state
 
 
 def warm_start_params(params: Any, source: str | os.PathLike, task: Task
@@ -225,9 +258,10 @@ def load_teacher(source: str | os.PathLike, task: Task, config, rig: Rig) -> nnx
   return teacher
 
 
-def saved_part(state: dict, keys=('params', 'rest', 'opt_state', 'step')) -> dict:
-  """What a checkpoint stores: no RNG streams (reseeded every step by `fold_in`)."""
-  return {k: state[k] for k in keys}
+def saved_part(state: dict, keys=('params', 'rest', 'opt_state', 'step', 'ema')) -> dict:
+  """What a checkpoint stores: no RNG streams (reseeded every step by `fold_in`); the moving
+  average when the run keeps one."""
+  return {k: state[k] for k in keys if k in state}
 
 
 def make_train_step(task: Task, graphdef, config, rig: Rig, mesh: Mesh | None = None,
@@ -245,6 +279,7 @@ def make_train_step(task: Task, graphdef, config, rig: Rig, mesh: Mesh | None = 
   """
   mesh = make_mesh() if mesh is None else mesh
   tx = create_optimizer(config.train)
+  decay = ema_decay(config.train)
   base_key = jax.random.key(config.seed)
 
   teach = {} if teacher is None else {'teacher': teacher}
@@ -262,6 +297,8 @@ def make_train_step(task: Task, graphdef, config, rig: Rig, mesh: Mesh | None = 
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     params = optax.apply_updates(state['params'], updates)
     new_state = {**state, 'params': params, 'opt_state': opt_state, 'step': state['step'] + 1}
+    if 'ema' in state:
+      new_state['ema'] = ema_update(state['ema'], params, new_state['step'], decay)
     return new_state, {'loss': loss, 'grad_norm': optax.tree.norm(grads), **aux}
 
   return jax.jit(step, donate_argnums=0, in_shardings=(replicated(mesh), batch_sharding(mesh)),
@@ -371,6 +408,38 @@ def checkpoint_meta(config, rig: Rig, task: Task, data_info: dict, metrics_: dic
           'provenance': provenance.provenance(rig_hash=rig.fingerprint())}
 
 
+def export_latest(workdir: str | os.PathLike, output: str | os.PathLike, part: str = 'params',
+                  task: Task = IKGAT_TASK) -> int:
+  """Writes `part` ('params' or 'ema') of a run's `checkpoints/latest` as a model checkpoint at
+  `output` (what `inference.load_model` and every command taking --checkpoint read). For a run
+  with a moving average (`train.ema_decay`) whose `best` holds the average, 'params' gives the
+  raw parameters of the same step, for comparing the two. The meta is latest's with `metrics`
+  emptied (they were measured on the other part) and `exported_from` added. Returns the step."""
+  src = checkpointing.Checkpointer(Path(workdir) / 'checkpoints' / 'latest', create=False)
+  meta = src.restore_meta()
+  config = ml_collections.ConfigDict(meta['config'])
+  rig = Rig.from_json(meta['rig'])
+  if part not in ('params', 'ema'):
+    raise ValueError(f"part must be 'params' or 'ema', got {part!r}")
+  has_ema = ema_decay(config.train) > 0
+  if part == 'ema' and not has_ema:
+    raise ValueError(f'{workdir} keeps no moving average (train.ema_decay is 0)')
+  abstract = nnx.eval_shape(lambda: task.build(config, rig, nnx.Rngs(0), None))
+  _, params, _, rest = nnx.split(abstract, nnx.Param, nnx.RngState, ...)
+  want = {'params': params, 'rest': rest,
+          'opt_state': jax.eval_shape(create_optimizer(config.train).init, params),
+          'step': jax.ShapeDtypeStruct((), jnp.int32), **({'ema': params} if has_ema else {})}
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  want = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), want)
+  tree, _ = src.restore(want)
+  step = int(tree['step'])
+  out = checkpointing.Checkpointer(output, max_to_keep=1)
+  out.save(step, {'params': tree[part], 'rest': tree['rest']},
+           {**meta, 'metrics': {}, 'exported_from': {'run': str(workdir), 'part': part,
+                                                     'step': step}})
+  return step
+
+
 class GracefulStop:
   """Ctrl-C / SIGTERM during training: finish the step in flight, then stop as if interrupted.
 
@@ -440,7 +509,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   latest = checkpointing.Checkpointer(workdir / 'checkpoints' / 'latest', max_to_keep=1)
   if tc.get('init_from') and latest.latest_step() is None:  # a fresh run only; resume restores
     params, counts = warm_start_params(state['params'], tc.init_from, task)
-    state = {**state, 'params': params}
+    state = {**state, 'params': params, **({'ema': copy_tree(params)} if 'ema' in state else {})}
     log(f'initialised from {tc.init_from}: {counts["copied"]} parameters copied, '
         f'{counts["grown"]} grown (zeros in the new part), {counts["kept"]} newly initialised')
   state = place_state(state, mesh)  # first: the abstract tree below takes this mesh's shardings
@@ -456,8 +525,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
           f'{latest.directory} step {latest.latest_step()}; '
           f'{_config_diff_text(saved_model, config.to_dict().get("model"), diff)}): '
           'use a new --workdir, or the model config of that run to resume it')
-    restored, _ = latest.restore(checkpointing.abstract_like(saved_part(state)))
+    saved_ema = ema_decay(ml_collections.ConfigDict(
+        (saved.get('config') or {}).get('train') or {})) > 0
+    want = saved_part(state) if saved_ema else saved_part({k: v for k, v in state.items()
+                                                           if k != 'ema'})
+    if saved_ema and 'ema' not in want:  # the run kept an average, this config does not
+      want = {**want, 'ema': state['params']}
+    restored, _ = latest.restore(checkpointing.abstract_like(want))
     state = {**state, **restored}
+    if 'ema' in state and not ema_decay(tc):
+      del state['ema']
+      log('train.ema_decay is 0: the saved moving average is dropped, validation uses the '
+          'parameters')
+    elif 'ema' in state and not saved_ema:
+      state['ema'] = copy_tree(state['params'])
+      log('train.ema_decay is on and the saved run kept no average: it starts from the '
+          'restored parameters')
     if best.latest_step() is not None:
       best_value = best.restore_meta()['metrics'].get(task.best_metric, math.inf)
     log(f'resumed from {latest.directory} at step {int(state["step"])}')
@@ -485,12 +568,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     if val_data is None:
       return
     t = time.time()
-    last_val = task.validate(sharded_predict(predict, state, mesh), val_data, config, rig)
+    last_val = task.validate(sharded_predict(predict, evaluated_part(state), mesh), val_data,
+                             config, rig)
     writer.write(step, 'val', {**last_val, 'seconds': time.time() - t})
     value = last_val[task.best_metric]
     if value < best_value:
       best_value = value
-      best.save(step, saved_part(state, ('params', 'rest')),
+      best.save(step, saved_part(evaluated_part(state), ('params', 'rest')),
                 checkpoint_meta(config, rig, task, data_info, last_val))
 
   def save_latest(step, status):
@@ -551,7 +635,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   save_latest(step, 'done')
   writer.close()
   if val_data is None:
-    best.save(step, saved_part(state, ('params', 'rest')),
+    best.save(step, saved_part(evaluated_part(state), ('params', 'rest')),
               checkpoint_meta(config, rig, task, data_info, {}))
   log(f'done: step {step}' + (f', val {task.best_metric} {last_val[task.best_metric]:.3f} '
                               f'(best {best_value:.3f})' if last_val else ''))

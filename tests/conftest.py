@@ -37,6 +37,22 @@ def cmu_dir() -> Path:
   return require_cmu()
 
 
+# The modules that take longest (a CI run's --durations, 2-core CPU, session 9), longest
+# first. `make test` gives each module to one of two workers as they free up (pytest-xdist
+# --dist=loadfile, in collection order), so the longest ones go first and the short ones fill
+# in at the end: in alphabetical order train_test and train_rig_test came last and one worker
+# ran them alone for minutes. Only the order changes; an unknown or renamed module runs after.
+LONGEST_FIRST = ('train_test', 'benchmark_test', 'train_rig_test', 'iterative_ik_test',
+                 'device_check_test', 'model_test', 'scale_test', 'evaluation_test',
+                 'distributed_test', 'window_model_test', 'shipped_test', 'masking_test')
+
+
+def pytest_collection_modifyitems(session, config, items):
+  del session, config
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(Path(str(item.fspath)).stem, len(rank)))  # stable
+
+
 def pytest_terminal_summary(terminalreporter):
   """One line per skip reason with its count, so a green run shows what it did not test."""
   skipped = terminalreporter.stats.get('skipped', [])

@@ -10,6 +10,7 @@ import threading
 import time
 
 import chex
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -119,6 +120,68 @@ def test_resume_equals_uninterrupted_and_checkpoint_round_trip(cmu_shards, tmp_p
       ds.rig)
   np.testing.assert_allclose(val['local_rot_err_deg'], meta_a['metrics']['local_rot_err_deg'],
                              rtol=1e-4)
+
+
+def test_ema_recurrence_and_the_best_checkpoint_holds_the_average(cmu_shards, tmp_path,
+                                                                   tiny_config):
+  """`train.ema_decay`: (1) the jitted step keeps `ema_t = d_t ema + (1 - d_t) params_t` with
+  `d_t = min(decay, (1 + t) / (10 + t))`, checked against the recurrence on the step's own
+  parameters (decay 0.2: the warm-up binds at t = 1, the cap from t = 2); (2) a run interrupted
+  and resumed validates and saves the average: its `best` checkpoint holds `latest`'s average,
+  which differs from its parameters; (3) resuming that run with the average turned off drops
+  it and finishes."""
+  c = tiny_config(cmu_shards, train=dict(ema_decay=0.2))
+  ds = data.load_shards(cmu_shards, 'train')
+  graphdef, state = train.init_state(inference.IKGAT_TASK, c, ds.rig, ds)
+  mesh = train.make_mesh()
+  state = train.place_state(state, mesh)
+  step = train.make_train_step(inference.IKGAT_TASK, graphdef, c, ds.rig, mesh)
+  batch = train.to_global(_fixed_batch(ds, 32), mesh, 32)
+  expected = [np.asarray(x) for x in jax.tree.leaves(state['params'])]
+  for t in (1, 2, 3):
+    state, _ = step(state, batch)
+    d = min(0.2, (1 + t) / (10 + t))
+    expected = [d * e + (1 - d) * np.asarray(p) for e, p in
+                zip(expected, jax.tree.leaves(state['params']))]
+  got = jax.tree.leaves(state['ema'])
+  assert len(got) == len(expected) > 0
+  moved = 0
+  for e, g, p in zip(expected, got, jax.tree.leaves(state['params'])):
+    scale = max(1.0, float(np.abs(e).max()))
+    np.testing.assert_allclose(np.asarray(g), e, rtol=0, atol=1e-6 * scale)
+    moved += int(np.abs(np.asarray(p) - e).max() > 1e-5 * scale)  # 10x the tolerance
+  assert moved > 0  # the average is not the parameters, so the check above means something
+
+  c = tiny_config(cmu_shards, train=dict(steps=4, log_every=1, eval_every=4, checkpoint_every=100,
+                                         ema_decay=0.5))
+  with pytest.raises(KeyboardInterrupt):
+    train.train_and_evaluate(c, tmp_path / 'ema', log=_interrupt_at(2))
+  lines = []
+  train.train_and_evaluate(c, tmp_path / 'ema', log=lines.append)
+  assert any(m.startswith('resumed from') and 'at step 2' in m for m in lines), lines
+  latest, _, at = _latest_state(tmp_path / 'ema', c, ds.rig, ds)
+  assert at == 4 and 'ema' in latest
+  best = checkpointing.Checkpointer(tmp_path / 'ema' / 'checkpoints' / 'best', create=False)
+  saved, _ = best.restore(checkpointing.abstract_like(train.saved_part(latest, ('params', 'rest'))))
+  differs = False
+  for b, e, p in zip(jax.tree.leaves(saved['params']), jax.tree.leaves(latest['ema']),
+                     jax.tree.leaves(latest['params'])):
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(e))
+    differs |= bool(np.any(np.asarray(e) != np.asarray(p)))
+  assert differs
+  # The raw parameters of the same step, exported as a model (experiments.export_latest).
+  assert train.export_latest(tmp_path / 'ema', tmp_path / 'raw', 'params') == 4
+  raw, meta = inference.load_model(tmp_path / 'raw')
+  assert meta['exported_from']['part'] == 'params' and meta['metrics'] == {}
+  for r, p in zip(jax.tree.leaves(nnx.state(raw, nnx.Param)), jax.tree.leaves(latest['params'])):
+    np.testing.assert_array_equal(np.asarray(r), np.asarray(p))
+  off = tiny_config(cmu_shards, train=dict(steps=5, log_every=1, eval_every=5,
+                                           checkpoint_every=100))
+  lines = []
+  train.train_and_evaluate(off, tmp_path / 'ema', log=lines.append)
+  assert any('moving average is dropped' in m for m in lines), lines
+  assert json.loads((tmp_path / 'ema' / 'run.json').read_text())['status'] == 'done'
+  assert 'ema' not in _latest_state(tmp_path / 'ema', off, ds.rig, ds)[0]
 
 
 def test_checkpoint_errors_are_clear(cmu_shards, tmp_path):

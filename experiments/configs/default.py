@@ -34,7 +34,11 @@ def get_config() -> ml_collections.ConfigDict:
       # A trained model to distil from (train.load_teacher: same rig, output space and
       # inputs, any size); '' = none. The loss adds loss.distill_weight x the mean angle
       # between the model's output and the teacher's on the same augmented input.
-      distill_from=''))
+      distill_from='',
+      # Exponential moving average of the parameters (train.ema_update; 0 = off, absent in
+      # older runs' configs = off): validation, the `best` checkpoint and so every model loaded
+      # from the run use the average; `latest` keeps both for resuming.
+      ema_decay=0.0))
   c.loss = ml_collections.ConfigDict(dict(alpha=0.1, distill_weight=1.0))
   c.augment = ml_collections.ConfigDict(dict(yaw=True, mirror=0.5, bone_scale=0.07,
                                              noise_mm=0.0))
