@@ -229,6 +229,20 @@ def predict_in_chunks(predict, batch: dict, chunk: int) -> np.ndarray:
 # Loading.
 
 
+def abstract_model(config, rig: Rig, task: Task = IKGAT_TASK) -> tuple:
+  """`task`'s model for `config` and `rig`, built abstractly (no parameter initialisation is
+  computed: one small jitted op per leaf, about 0.8 s of a CLI run) and split into (graphdef,
+  params, rng state, rest), the shapes a checkpoint fills."""
+  abstract = nnx.eval_shape(lambda: task.build(config, rig, nnx.Rngs(0), None))
+  return nnx.split(abstract, nnx.Param, nnx.RngState, ...)
+
+
+def on_one_device(tree: Any) -> Any:
+  """`tree`'s leaves as ShapeDtypeStructs on this process's first device (a restore target)."""
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
+
+
 def load_model(checkpoint_dir: str | os.PathLike, task: Task = IKGAT_TASK,
                expected_rig: Rig | None = None) -> tuple[nnx.Module, dict]:
   """Restores a trained model (parameters only) and its meta from a checkpoint directory.
@@ -258,13 +272,8 @@ def load_model(checkpoint_dir: str | os.PathLike, task: Task = IKGAT_TASK,
     raise CheckpointError(
         f'checkpoint {path} is for rig {rig.name!r} ({rig.num_joints} joints), not '
         f'{expected_rig.name!r} ({expected_rig.num_joints} joints)')
-  # Built abstractly: no parameter initialisation is computed (one small jitted op per leaf,
-  # about 0.8 s of a CLI run), the checkpoint fills every leaf.
-  abstract = nnx.eval_shape(lambda: task.build(config, rig, nnx.Rngs(0), None))
-  graphdef, params, rngs, rest = nnx.split(abstract, nnx.Param, nnx.RngState, ...)
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                        {'params': params, 'rest': rest})
+  graphdef, params, rngs, rest = abstract_model(config, rig, task)
+  target = on_one_device({'params': params, 'rest': rest})
   tree = None if cached is None else checkpointing.cache_tree(cached, target)
   if tree is None:
     ckpt = ckpt or checkpointing.Checkpointer(path, create=False)

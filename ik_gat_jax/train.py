@@ -16,7 +16,8 @@ shared:
 - periodic validation, live progress (step, loss, val error, train and input-pipeline
   frames/s, ETA), JSONL and TensorBoard logs, a run manifest (`run.json`), written by process 0;
 - orbax checkpoints: `checkpoints/latest` (full state, for resuming) and `checkpoints/best`
-  (parameters only, or their average, best validation metric), each carrying config, rig, metrics, provenance;
+  (parameters only, or their average; best validation metric), each carrying config, rig,
+  metrics, provenance;
   restored onto the current mesh, so a run saved on 8 devices resumes on 1.
 Library code never reads flags: `experiments/train.py` parses them and calls
 `train_and_evaluate(config, workdir)`.
@@ -424,13 +425,11 @@ def export_latest(workdir: str | os.PathLike, output: str | os.PathLike, part: s
   has_ema = ema_decay(config.train) > 0
   if part == 'ema' and not has_ema:
     raise ValueError(f'{workdir} keeps no moving average (train.ema_decay is 0)')
-  abstract = nnx.eval_shape(lambda: task.build(config, rig, nnx.Rngs(0), None))
-  _, params, _, rest = nnx.split(abstract, nnx.Param, nnx.RngState, ...)
-  want = {'params': params, 'rest': rest,
-          'opt_state': jax.eval_shape(create_optimizer(config.train).init, params),
-          'step': jax.ShapeDtypeStruct((), jnp.int32), **({'ema': params} if has_ema else {})}
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  want = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), want)
+  _, params, _, rest = inference.abstract_model(config, rig, task)
+  want = inference.on_one_device({
+      'params': params, 'rest': rest,
+      'opt_state': jax.eval_shape(create_optimizer(config.train).init, params),
+      'step': jax.ShapeDtypeStruct((), jnp.int32), **({'ema': params} if has_ema else {})})
   tree, _ = src.restore(want)
   step = int(tree['step'])
   out = checkpointing.Checkpointer(output, max_to_keep=1)
