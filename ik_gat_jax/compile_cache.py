@@ -29,11 +29,18 @@ recompile (JAX catches read errors).
 
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
+import platform
+import re
+import sys
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
+import numpy as np
+from jax.experimental import serialize_executable
 
 from ik_gat_jax.io import atomic
 
@@ -46,6 +53,9 @@ _TRUE = ('1', 'true', 'yes', 'on')
 
 _status: dict = {'enabled': False, 'reason': 'enable() not called'}
 _params_dir: Path | None = None
+_executables_dir: Path | None = None
+_fingerprint: str | None = None
+EXECUTABLE_FORMAT = 1  # bump when an entry's layout changes
 
 
 def default_dir(environ: Mapping[str, str] = os.environ) -> Path:
@@ -64,12 +74,13 @@ def enable(environ: Mapping[str, str] = os.environ) -> Path | None:
 
   Returns the cache directory in effect (the user's own, or the default), None when off.
   """
-  global _status, _params_dir
+  global _status, _params_dir, _executables_dir
   if disabled(environ):
     _status = {'enabled': False, 'reason': f'{ENV_OFF}={environ.get(ENV_OFF)}'}
-    _params_dir = None
+    _params_dir = _executables_dir = None
     return None
   _params_dir = default_dir(environ).parent / 'params'
+  _executables_dir = default_dir(environ).parent / 'executables'
   own = jax.config.jax_compilation_cache_dir
   if own:
     _status = {'enabled': True, 'dir': str(own), 'source': 'user', 'atomic_writes': False}
@@ -92,6 +103,103 @@ def params_dir() -> Path | None:
   """The parameter cache's folder once `enable()` turned it on (created on first write), else
   None: library use restores checkpoints with orbax alone."""
   return _params_dir
+
+
+def executables_dir() -> Path | None:
+  """The executable cache's folder once `enable()` turned it on (created on first write), else
+  None: library use compiles (through JAX's own cache, if the program set one)."""
+  return _executables_dir
+
+
+def _cpu_description() -> str:
+  """The CPU's model and feature flags (Linux: the first processor of /proc/cpuinfo)."""
+  try:
+    text = Path('/proc/cpuinfo').read_text(errors='replace')
+  except OSError:  # not Linux: the little the standard library says
+    return f'{platform.machine()} {platform.processor()}'
+  keep = ('model name', 'flags', 'vendor_id', 'cpu family', 'model', 'Features', 'CPU part')
+  first = text.split('\n\n')[0]
+  return '\n'.join(line for line in first.splitlines() if line.split(':')[0].strip() in keep)
+
+
+def environment_fingerprint() -> str:
+  """SHA-256 (hex) of everything besides the caller's own description that a compiled
+  executable depends on (module docstring). The package source, versions, devices and CPU are
+  read once per process; JAX's configuration and `XLA_FLAGS` at every call."""
+  global _fingerprint
+  if _fingerprint is None:
+    h = hashlib.sha256(f'ik_gat_jax executable {EXECUTABLE_FORMAT}'.encode())
+    package = Path(__file__).resolve().parent
+    for f in sorted(package.rglob('*.py')):
+      data = f.read_bytes()
+      h.update(f'\0{f.relative_to(package).as_posix()}\0{len(data)}\0'.encode())
+      h.update(data)
+    devices = jax.devices()
+    backend = devices[0].client
+    flax = sys.modules.get('flax')  # traces the models; imported by their modules, not here
+    for part in (jax.__version__, jax.lib.__version__, getattr(flax, '__version__', None),
+                 np.__version__, backend.platform, backend.platform_version, len(devices),
+                 sorted({d.device_kind for d in devices}), _cpu_description()):
+      h.update(f'\0{part}'.encode())
+    _fingerprint = h.hexdigest()
+  config = re.sub(r' at 0x[0-9a-f]+', '', repr(sorted(jax.config.values.items())))
+  now = f'{_fingerprint}\0{os.environ.get("XLA_FLAGS", "")}\0{config}'
+  return hashlib.sha256(now.encode()).hexdigest()
+
+
+def executable_key(description: str) -> str:
+  """The entry name for an executable described by `description` (the caller's static
+  description: what it computes and on which argument shapes) in this environment."""
+  h = hashlib.sha256(environment_fingerprint().encode())
+  h.update(re.sub(r' at 0x[0-9a-f]+', '', description).encode())
+  return h.hexdigest()
+
+
+def _executable_file(key: str) -> Path | None:
+  return None if _executables_dir is None else _executables_dir / f'{key}.jaxexe'
+
+
+def load_executable(key: str) -> Any | None:
+  """The executable stored under `key`, loaded onto the backend, or None (cache off, no entry,
+  or one that cannot be read or loaded)."""
+  path = _executable_file(key)
+  if path is None or not path.is_file():
+    return None
+  try:
+    fmt, payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+    if fmt != EXECUTABLE_FORMAT:
+      return None
+    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+  except Exception:  # truncated, another layout, a backend that refuses it: a miss
+    return None
+
+
+def store_executable(key: str, compiled: Any, args: tuple) -> bool:
+  """Writes `compiled` (a `jax.stages.Compiled`) under `key`, atomically, once its serialised
+  form, loaded back, gives bit for bit the outputs of `compiled` on `args` (two executions,
+  on a cache miss only). False, nothing written, when the cache is off, the backend cannot
+  serialise it, the check fails or the folder cannot be written. The check is not a
+  formality: jaxlib 0.10.2's CPU client serialises an executable that JAX's own persistent
+  cache served (rather than compiled) into one that loads but fails to run ('Function ...
+  not found'), so a program whose forward came from JAX's cache gets no entry and runs as
+  without this cache."""
+  path = _executable_file(key)
+  if path is None:
+    return False
+  try:
+    payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+    loaded = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+    want, got = jax.tree.leaves(compiled(*args)), jax.tree.leaves(loaded(*args))
+    if len(want) != len(got) or not all(
+        np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True) for a, b in zip(want, got)):
+      return False
+    data = pickle.dumps((EXECUTABLE_FORMAT, payload, in_tree, out_tree))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic.atomic_path(path) as tmp:
+      Path(tmp).write_bytes(data)
+  except Exception:  # no serialisation on this backend, a failed load or run, a full folder
+    return False
+  return True
 
 
 def status() -> dict:

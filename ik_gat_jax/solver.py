@@ -26,6 +26,9 @@ batches compiles at most once per bucket. Clips longer than `block_size` run in 
 `block_size` (device memory bounded by one block) with a progress bar on stderr; the last chunk
 goes to its own bucket when that is compiled already, else it is padded to a whole block, so a
 long clip never compiles a second shape (0.3 s from the persistent cache, seconds without).
+Each shape is compiled ahead (`lower().compile()`) once per solver; after the command line's
+`compile_cache.enable()`, a shape compiled by an earlier run is loaded whole from the
+executable cache (compile_cache.py), neither traced nor lowered.
 
 Input checks (`check_positions`, `check_plausibility`): wrong shape or joint count and NaN/inf
 raise `InputError` (a ValueError) naming the expected joints or the frame and joint; bone
@@ -76,6 +79,7 @@ import numpy as np
 from flax import nnx
 
 from ik_gat_jax import bone_frames as bone_frames_lib
+from ik_gat_jax import compile_cache
 from ik_gat_jax import gat
 from ik_gat_jax import inference
 from ik_gat_jax import iterative_ik
@@ -483,6 +487,8 @@ class IKSolver:
     self._forward = _make_forward(graphdef, self._treedef, self.rig, self._traces, self.refine)
     self._step_exec = None  # `step`'s compiled forward (bucket 1, no sparse input), on first use
     self._compiled: set[tuple] = set()  # `_signature`s of the clip chunks run so far
+    self._executables: dict[tuple, object] = {}  # argument signature -> compiled forward
+    self._description: str | None = None  # the executable cache's static part, on first use
     self.supports_masks = bool(model.config.joint_mask)  # sparse inputs (issue G2)
     self.orientation_inputs = tuple(model.config.orientation_inputs)
     self.end_sites = bool(getattr(model.config, 'end_sites', False))
@@ -669,8 +675,39 @@ class IKSolver:
     if sparse is not None:
       sparse = {k: jnp.asarray(pad(v)) for k, v in sparse.items()}
     off, B, _ = subject
-    out = self._forward(self._leaves, jnp.asarray(pos, jnp.float32), off, B, full, sparse)
+    args = (self._leaves, np.asarray(pos, np.float32), off, B, sparse)
+    out = self._executable(full, args)(*args)
     return {k: np.asarray(v)[:n] for k, v in out.items()}
+
+  def _executable(self, full: bool, args: tuple):
+    """The forward compiled ahead (`lower().compile()`) for `args` = (leaves, positions,
+    offsets, B, sparse): once per argument signature and process. Once the command line turned
+    its caches on (`compile_cache.executables_dir()`), a signature compiled by an earlier run
+    is loaded from the executable cache, skipping tracing and lowering too (0.3 s of a CLI
+    solve); its entry's name hashes the model's graph definition, the refinement, the block
+    size of the forward and every argument's shape and dtype (compile_cache.py adds the
+    code, versions, devices, CPU and flags)."""
+    rest = args[1:]
+    signature = (full, jax.tree.structure(rest),
+                 tuple((np.shape(a), np.dtype(a.dtype).name) for a in jax.tree.leaves(rest)))
+    exe = self._executables.get(signature)
+    if exe is not None:
+      return exe
+    key = None
+    if compile_cache.executables_dir() is not None:
+      if self._description is None:
+        self._description = (f'ik_gat_jax.solver forward\n{self._graphdef!r}\n{self._treedef}\n'
+                             f'{[(x.shape, x.dtype.name) for x in self._leaves]}\n'
+                             f'refine={self.refine!r}\nmicro_batch={inference.micro_batch_size()}'
+                             f' of {inference.MICRO_BATCH_CPU}')
+      key = compile_cache.executable_key(f'{self._description}\n{signature}')
+      exe = compile_cache.load_executable(key)
+    if exe is None:
+      exe = self._forward.lower(args[0], *args[1:4], full, args[4]).compile()
+      if key is not None:
+        compile_cache.store_executable(key, exe, args)
+    self._executables[signature] = exe
+    return exe
 
   def solve(self, positions, *, offsets=None, estimate_lengths: bool = False,
             units: str | float | None = None, input_axes: str | np.ndarray | None = None,
@@ -807,14 +844,14 @@ class IKSolver:
 
   def _step_forward(self, pos: np.ndarray, subject) -> np.ndarray:
     """One frame `[1, J, 3]`, no sparse input -> local `[J, 3, 3]`: the bucket-1 forward
-    compiled ahead (`lower().compile()`, through the persistent cache) and called directly,
+    compiled ahead (`_executable`) and called directly,
     without jit's per-call dispatch (argument signature and cache lookup). The frame goes in
     as numpy: the executable's own transfer is ~70 us faster than `jnp.asarray` first
     (experiments/latency_breakdown.py, BENCHMARKS.md "One live frame")."""
     off, B, _ = subject
     x = np.asarray(pos, np.float32)
     if self._step_exec is None:
-      self._step_exec = self._forward.lower(self._leaves, x, off, B, False, None).compile()
+      self._step_exec = self._executable(False, (self._leaves, x, off, B, None))
     return np.asarray(self._step_exec(self._leaves, x, off, B, None)['local_rot'])[0]
 
   def solve_stream(self, frames: Iterable, offsets=None) -> Iterator[np.ndarray]:

@@ -5,8 +5,10 @@ run fills `~/.cache/ik_gat_jax/jax`, the second finds every compilation there (n
 two runs at once on an empty cache both succeed and leave whole entries only, and
 `IK_GAT_NO_COMPILE_CACHE=1` writes nothing. The parameter cache beside it (checkpointing.py):
 the first run writes one entry, the next loads it without importing orbax, a hit gives the
-checkpoint's own arrays, and a changed or broken checkpoint is never hidden. No timing is
-asserted.
+checkpoint's own arrays, and a changed or broken checkpoint is never hidden. The executable
+cache (the solver's compiled forward): a second solver loads it without tracing and gives the
+same bits, a broken entry is a miss, and the entry's name follows the environment and the
+description but not object addresses. No timing is asserted.
 """
 
 import os
@@ -19,8 +21,10 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax._src import compilation_cache as jax_compilation_cache
 
 from ik_gat_jax import checkpointing, compile_cache, inference, skeleton
+from ik_gat_jax import solver as solver_lib
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -136,6 +140,8 @@ def test_xdg_cache_home_concurrent_runs_and_second_run_hits(tiny_npz, tmp_path):
   assert any(name.startswith('jit_forward') for name in entries), sorted(entries)
   params = sorted(p.name for p in (xdg / 'ik_gat_jax' / 'params').iterdir())
   assert len(params) == 1 and params[0].endswith('.npz'), params  # one whole entry
+  executables = sorted(p.name for p in (xdg / 'ik_gat_jax' / 'executables').iterdir())
+  assert len(executables) == 1 and executables[0].endswith('.jaxexe'), executables
   # A second run is a cache hit: every compilation comes from the entries the two wrote (each
   # read back whole), none is added, the parameters come from the cache (orbax is never
   # imported) and the output is the same.
@@ -225,3 +231,62 @@ def test_params_cache_does_not_hide_a_broken_checkpoint(params_cache):
   with pytest.raises(checkpointing.CheckpointError) as e:
     inference.load_model(ckpt)
   assert '\n' not in str(e.value) and str(ckpt) in str(e.value)
+
+
+# -- the executable cache (compile_cache.py; the solver's forward) ----------------------------
+
+
+@pytest.fixture
+def no_jax_cache():
+  """JAX's persistent cache off for one test (conftest turns it on): an executable JAX's cache
+  served cannot be serialised again (compile_cache.store_executable), so the executable cache
+  needs fresh compilations."""
+  jax.config.update('jax_enable_compilation_cache', False)
+  jax_compilation_cache.reset_cache()  # JAX internals, in a test only: the memo of "in use"
+  yield
+  jax.config.update('jax_enable_compilation_cache', True)
+  jax_compilation_cache.reset_cache()
+
+
+def test_executable_cache_skips_tracing_and_gives_the_same_bits(tmp_path, monkeypatch,
+                                                                no_jax_cache):
+  folder = tmp_path / 'executables'
+  monkeypatch.setattr(compile_cache, '_executables_dir', folder)
+  rig = skeleton.cmu_body()
+  rest = skeleton.rest_positions_np(rig.template(), rig.parents)
+  clip = rest[None] + 0.01 * np.random.default_rng(1).normal(size=(5, rig.num_joints, 3))
+  first = solver_lib.IKSolver.from_checkpoint()
+  want = first.solve(clip, full=True)
+  assert first.trace_count == 1
+  entries = sorted(folder.iterdir())
+  assert [p.suffix for p in entries] == ['.jaxexe'], entries  # one whole entry, no temp file
+  second = solver_lib.IKSolver.from_checkpoint()
+  got = second.solve(clip, full=True)
+  assert second.trace_count == 0  # loaded: neither traced nor lowered
+  for name in ('local_rot', 'global_rot', 'positions_fk'):
+    np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+  second.step(clip[0])  # another signature (one frame, rotations only): its own entry
+  assert second.trace_count == 1 and len(list(folder.iterdir())) == 2
+  # A broken entry is a miss: compiled again (same bits) and written whole again.
+  for p in folder.iterdir():
+    p.write_bytes(p.read_bytes()[:100])
+  third = solver_lib.IKSolver.from_checkpoint()
+  np.testing.assert_array_equal(third.solve(clip, full=True).local_rot, want.local_rot)
+  assert third.trace_count == 1
+  assert compile_cache.load_executable(entries[0].stem) is not None
+  # Names: the description and the environment count, object addresses do not.
+  key = compile_cache.executable_key('f <function g at 0x7f00aa>')
+  assert compile_cache.executable_key('f <function g at 0x7f11bb>') == key
+  assert compile_cache.executable_key('f <function h at 0x7f00aa>') != key
+  monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', '') + ' --xla_dump_to=/dev/null')
+  assert compile_cache.executable_key('f <function g at 0x7f00aa>') != key
+
+
+def test_executable_cache_is_off_without_enable_and_with_the_switch(monkeypatch):
+  for name in ('_status', '_params_dir', '_executables_dir'):  # restored after the test
+    monkeypatch.setattr(compile_cache, name, getattr(compile_cache, name))
+  monkeypatch.setattr(compile_cache, '_executables_dir', None)  # library use: no enable()
+  assert compile_cache.load_executable('0' * 64) is None
+  assert not compile_cache.store_executable('0' * 64, object(), ())
+  assert compile_cache.enable({compile_cache.ENV_OFF: '1'}) is None
+  assert compile_cache.executables_dir() is None and compile_cache.params_dir() is None
