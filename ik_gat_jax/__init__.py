@@ -10,6 +10,13 @@ rows (rows past the first thread's partition read the wrong data: errors of orde
 corrupted batched bone frames of mixed subjects; switching it off cost no measurable speed
 (IK-GAT base at batch 256, 2-core CPU). Set the flag yourself in XLA_FLAGS to override.
 tests/xla_workaround_test.py guards it.
+
+And one setting for speed, the same way: `--xla_cpu_prefer_vector_width=512` (XLA's CPU
+backend otherwise emits 256-bit vector code even where the CPU has AVX-512). On this project's
+AMD Zen 4 CPU it made the IK-GAT base network 1.3x faster for a single frame on one core and
+1.1x batched (BENCHMARKS.md "Vector width"); on a CPU without AVX-512 it changes nothing. Set
+the flag yourself (for example `=256`, XLA's default, on an older Intel CPU that lowers its
+clock for 512-bit code) to override; `IK_GAT_NO_XLA_TUNING=1` leaves it out.
 """
 
 import os as _os
@@ -17,11 +24,17 @@ import sys as _sys
 import warnings as _warnings
 
 _YNN_FLAG = '--xla_cpu_experimental_ynn_fusion_type='
+_VECTOR_FLAG = '--xla_cpu_prefer_vector_width=512'
 
 
 def _apply_xla_workarounds() -> None:
   flags = _os.environ.get('XLA_FLAGS', '')
-  if 'xla_cpu_experimental_ynn_fusion_type' in flags:
+  add = [] if 'xla_cpu_experimental_ynn_fusion_type' in flags else [_YNN_FLAG]
+  tuning = _os.environ.get('IK_GAT_NO_XLA_TUNING', '').strip().lower() not in ('1', 'true',
+                                                                               'yes', 'on')
+  if tuning and 'xla_cpu_prefer_vector_width' not in flags:
+    add.append(_VECTOR_FLAG)
+  if not add:
     return
   started = False
   if 'jax' in _sys.modules:  # else JAX cannot have started a backend yet
@@ -31,11 +44,13 @@ def _apply_xla_workarounds() -> None:
     except (ImportError, AttributeError):
       pass
   if started:
+    if _YNN_FLAG not in add:  # only the speed setting is missing: nothing to warn about
+      return
     _warnings.warn('ik_gat_jax was imported after JAX started its backend, so the XLA CPU '
                    'workaround could not be applied: set XLA_FLAGS="' + _YNN_FLAG + '" before '
                    'starting Python (see ik_gat_jax/__init__.py)')
     return
-  _os.environ['XLA_FLAGS'] = (flags + ' ' + _YNN_FLAG).strip()
+  _os.environ['XLA_FLAGS'] = ' '.join([flags] + add).strip()
 
 
 _apply_xla_workarounds()
