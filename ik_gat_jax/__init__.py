@@ -12,9 +12,9 @@ corrupted batched bone frames of mixed subjects; switching it off cost no measur
 tests/xla_workaround_test.py guards it.
 
 And one setting for speed, the same way: `--xla_cpu_prefer_vector_width=512` (XLA's CPU
-backend otherwise emits 256-bit vector code even where the CPU has AVX-512). On this project's
-AMD Zen 4 CPU it made the IK-GAT base network 1.3x faster for a single frame on one core and
-1.1x batched (BENCHMARKS.md "Vector width"); on a CPU without AVX-512 it changes nothing. Set
+backend otherwise emits 256-bit vector code even where the CPU has AVX-512). On session 10's
+2-core Intel Xeon VM (AVX-512 and AMX) it made the IK-GAT base network 1.3x faster for a single
+frame on one core and 1.1x batched (BENCHMARKS.md "Vector width"); on a CPU without AVX-512 it changes nothing. Set
 the flag yourself (for example `=256`, XLA's default, on an older Intel CPU that lowers its
 clock for 512-bit code) to override; `IK_GAT_NO_XLA_TUNING=1` leaves it out.
 """
