@@ -836,9 +836,7 @@ class IKSolver:
     subject = self._device_subject(off)
     sparse = self._stream_history(pos) or sparse  # window models take no other sparse input
     if self._stream_step is None:
-      if sparse is None:
-        return self._step_forward(pos, subject)
-      return self._run(pos, subject, False, sparse)['local_rot'][0]
+      return self._step_forward(pos, subject, sparse)
     fstate = self._filter_state or temporal.init_state(self.rig.num_joints)
     if sparse is not None:
       sparse = {k: jnp.asarray(v) for k, v in sparse.items()}
@@ -846,14 +844,19 @@ class IKSolver:
         self._leaves, fstate, jnp.asarray(pos, jnp.float32), subject[0], subject[1], sparse)
     return np.asarray(out)
 
-  def _step_forward(self, pos: np.ndarray, subject) -> np.ndarray:
-    """One frame `[1, J, 3]`, no sparse input -> local `[J, 3, 3]`: the bucket-1 forward
-    compiled ahead (`_executable`) and called directly,
-    without jit's per-call dispatch (argument signature and cache lookup). The frame goes in
-    as numpy: the executable's own transfer is ~70 us faster than `jnp.asarray` first
-    (experiments/latency_breakdown.py, BENCHMARKS.md "One live frame")."""
+  def _step_forward(self, pos: np.ndarray, subject, sparse=None) -> np.ndarray:
+    """One frame `[1, J, 3]` (+ its sparse inputs or window history) -> local `[J, 3, 3]`: the
+    bucket-1 forward compiled ahead (`_executable`) and called directly, without jit's
+    per-call dispatch or `_run`'s padding. The frame goes in as numpy: the executable's own
+    transfer is ~70 us faster than `jnp.asarray` first (experiments/latency_breakdown.py,
+    BENCHMARKS.md "One live frame")."""
     off, B, _ = subject
     x = np.asarray(pos, np.float32)
+    if sparse is not None:  # a window model's history, or one frame's sparse inputs
+      sparse = {k: np.asarray(v, jax.dtypes.canonicalize_dtype(np.asarray(v).dtype))
+                for k, v in sparse.items()}
+      args = (self._leaves, x, off, B, sparse)
+      return np.asarray(self._executable(False, args)(*args)['local_rot'])[0]
     if self._step_exec is None:
       self._step_exec = self._executable(False, (self._leaves, x, off, B, None))
     return np.asarray(self._step_exec(self._leaves, x, off, B, None)['local_rot'])[0]
