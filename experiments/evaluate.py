@@ -47,8 +47,16 @@ _INIT_ROOT = flags.DEFINE_enum('init_root', 'analytic', ['analytic', 'identity']
 _OPTIMIZER = flags.DEFINE_enum('optimizer', 'adam', ['adam', 'lbfgs'], 'Solver optimizer.')
 _REFINE = flags.DEFINE_integer('refine_iters', 0, 'ikgat only: refine its output with this many '
                                'anchored iterations of the no-prior solver (0: off).')
-_REFINE_LR = flags.DEFINE_float('refine_lr', 0.003, 'Learning rate of the refinement.')
-_W_ANCHOR = flags.DEFINE_float('w_anchor', 0.0, 'Refinement: weight pulling toward IK-GAT.')
+_REFINE_LR = flags.DEFINE_float('refine_lr', None, 'Learning rate of the refinement (default: '
+                                 'iterative_ik.REFINE_DEFAULTS).')
+_W_ANCHOR = flags.DEFINE_float('w_anchor', None, 'Refinement: weight pulling toward IK-GAT '
+                               '(default: iterative_ik.REFINE_DEFAULTS).')
+_ANCHOR_RELATIVE = flags.DEFINE_boolean('anchor_relative', None, 'Refinement: --w_anchor '
+                                        'relative to the initial residual (default: on).')
+_FIT_TRANSLATION = flags.DEFINE_boolean('fit_translation', None, 'Fit the root translation '
+                                        '(least squares) instead of taking the input root '
+                                        'joint\'s: iterative solvers (default: off) and the '
+                                        'refinement (default: on).')
 _WARM = flags.DEFINE_boolean('warm_start', False, 'Warm start over windows of each clip.')
 _NOISE = flags.DEFINE_float('noise_mm', 0.0, 'Gaussian input noise per coordinate (mm).')
 _MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate at most this many frames.')
@@ -73,7 +81,8 @@ _FILTER_D_CUTOFF = flags.DEFINE_float('filter_d_cutoff', None, 'One-Euro velocit
 def solver_config():
   overrides = {'iters': _ITERS.value, 'init_root': _INIT_ROOT.value,
                'optimizer': _OPTIMIZER.value, 'warm_iters': _WARM_ITERS.value,
-               'window': _WINDOW.value, 'lr': _LR.value, 'w_z': _W_Z.value}
+               'window': _WINDOW.value, 'lr': _LR.value, 'w_z': _W_Z.value,
+               'fit_translation': _FIT_TRANSLATION.value}
   return iterative_ik.SolverConfig(**{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -82,8 +91,9 @@ def refine_config():
     return None
   if _METHOD.value != 'ikgat':
     raise ValueError('--refine_iters applies to --method=ikgat only')
-  return iterative_ik.SolverConfig(iters=_REFINE.value, lr=_REFINE_LR.value,
-                                   w_anchor=_W_ANCHOR.value)
+  return iterative_ik.refine_config(_REFINE.value, lr=_REFINE_LR.value, w_anchor=_W_ANCHOR.value,
+                                    anchor_relative=_ANCHOR_RELATIVE.value,
+                                    fit_translation=_FIT_TRANSLATION.value)
 
 
 def temporal_filter(method_info: dict):

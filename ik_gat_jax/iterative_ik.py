@@ -247,14 +247,26 @@ class SolverConfig:
     window: frames per warm-start window (a window's first frame is solved cold).
     lbfgs_memory: L-BFGS history length.
     w_anchor: refinement only (`refine_rotations`): weight of `|6D - 6D_init|^2`, which keeps
-      what the positions cannot see (twists, leaves) near the amortized prediction. The val
-      sweep (BENCHMARKS.md, "Amortized + refine") found 0 with lr 0.003 best.
+      what the positions cannot see (twists, leaves) near the amortized prediction. G1's clean
+      val sweep (fixed root, lr 0.003) found 0 best; with `fit_translation` and
+      `anchor_relative` the sweep over the whole noise curve chose 50 (`REFINE_DEFAULTS`).
     adam_eps: Adam's eps, 1e-4: above the float32 round-off of the gradient (module
       docstring).
     bone_chart: the rotation solver and the refinement optimise the 6D of the solvers' bone
       chart `D_j = B_j^T R0_j^T R_j B_j` (rig-invariant: module docstring), not of `R_j`.
       False (with adam_eps=1e-8): the solver before issue L, bit for bit. The latent solver's
       root follows its prior's chart instead (`vposer.VAEConfig.bone_chart`).
+    fit_translation: the fitted skeleton's root translation is the least-squares one for the
+      pose being scored (the mean over joints of `target - FK(params, root at 0)`, closed form)
+      instead of the target's root joint. The input is root-relative, so noise on the root
+      joint shifts every other target alike; a fixed root turns that shift into a bias of
+      every rotation, a fitted one absorbs it (issue J: BENCHMARKS.md "Amortized + refine on
+      noisy input"). Scoring is unchanged (metrics put the root at the true root).
+    anchor_relative: refinement only: the anchor's weight is `w_anchor * w_data * r0`, `r0`
+      the initial pose's mean squared position residual per joint (m^2; with
+      `fit_translation`, after the fitted translation): a MAP-like weighting in which the pull
+      toward the amortized pose grows with how far the input is from what that pose explains
+      (input noise), so one `w_anchor` serves clean and noisy input.
   """
   iters: int = 100
   lr: float = 0.1
@@ -271,6 +283,8 @@ class SolverConfig:
   lbfgs_memory: int = 10
   w_anchor: float = 0.0
   bone_chart: bool = True
+  fit_translation: bool = False
+  anchor_relative: bool = False
 
   def __post_init__(self):
     if self.optimizer not in ('adam', 'lbfgs'):
@@ -279,6 +293,21 @@ class SolverConfig:
       raise ValueError(f"init_root must be 'identity' or 'analytic', got {self.init_root!r}")
     if self.iters < 1 or self.warm_iters < 1 or self.window < 1:
       raise ValueError(f'iters, warm_iters and window must be >= 1, got {self}')
+
+
+# Amortized + refine (issues G1, J): chosen on val over the whole noise curve (BENCHMARKS.md
+# "Amortized + refine"): the root translation fitted, the anchor relative to the initial
+# residual (w_anchor 50), lr 0.003 over 50 iterations (`REFINE_ITERS`, the suggested budget).
+REFINE_DEFAULTS = {'lr': 0.003, 'w_anchor': 50.0, 'fit_translation': True,
+                   'anchor_relative': True}
+REFINE_ITERS = 50
+
+
+def refine_config(iters: int = REFINE_ITERS, **overrides) -> SolverConfig:
+  """The refinement's configuration: `iters` anchored Adam steps from the amortized pose with
+  `REFINE_DEFAULTS` (None values in `overrides` are ignored)."""
+  kw = {**REFINE_DEFAULTS, **{k: v for k, v in overrides.items() if v is not None}}
+  return SolverConfig(iters=int(iters), **kw)
 
 
 def _optimizer(config: SolverConfig, iters: int) -> optax.GradientTransformationExtraArgs:
@@ -374,13 +403,25 @@ def _latent_problem(decode: Decode, decode_params: Params, rig: Rig,
   return _Problem(to_local=to_local, penalty=lambda params: config.w_z * jnp.sum(params['z']**2))
 
 
+def _position_residual(local: jax.Array, target: jax.Array, offsets: jax.Array, rig: Rig,
+                       config: SolverConfig) -> jax.Array:
+  """`FK(local) - target`, `[J, 3]`: the root at the target's root joint, or at the
+  least-squares translation (`config.fit_translation`)."""
+  if not config.fit_translation:
+    _, p = kinematics.forward_kinematics(local, offsets, rig.parents, root_pos=target[0])
+    return p - target
+  _, p = kinematics.forward_kinematics(local, offsets, rig.parents,
+                                       root_pos=jnp.zeros_like(target[0]))
+  r = p - target
+  return r - jnp.mean(r, axis=0)
+
+
 def _frame_loss(params: Params, target: jax.Array, offsets: jax.Array, B: jax.Array,
                 problem: _Problem, rig: Rig, config: SolverConfig) -> jax.Array:
   """One frame: `target, offsets: [J, 3]`, rest bone frames `B: [J, 3, 3]` -> scalar loss (root
-  translation from the target)."""
-  _, p = kinematics.forward_kinematics(problem.to_local(params, B), offsets, rig.parents,
-                                       root_pos=target[0])
-  return config.w_data * jnp.sum((p - target)**2) + problem.penalty(params)
+  translation from the target, or fitted: `SolverConfig.fit_translation`)."""
+  r = _position_residual(problem.to_local(params, B), target, offsets, rig, config)
+  return config.w_data * jnp.sum(r**2) + problem.penalty(params)
 
 
 def _frame_loss_fn(problem: _Problem, target: jax.Array, offsets: jax.Array, rig: Rig,
@@ -542,11 +583,14 @@ def solve_latent_warm(positions: jax.Array, offsets: jax.Array, decode: Decode,
   return _solve_windows(problem, init_fn, positions, offsets, rig, config)
 
 
-def _anchored_problem(init: jax.Array, rig: Rig, config: SolverConfig) -> _Problem:
-  """Rotations problem plus `w_anchor |params - init|^2` (init: `[J, 6]`, one frame, in the
-  solver's chart: with the bone chart the anchor is rig-invariant too)."""
+def _anchored_problem(init: jax.Array, rig: Rig, config: SolverConfig,
+                      weight: jax.Array | float | None = None) -> _Problem:
+  """Rotations problem plus `weight |params - init|^2` (init: `[J, 6]`, one frame, in the
+  solver's chart: with the bone chart the anchor is rig-invariant too; weight: `w_anchor`
+  unless given)."""
+  weight = config.w_anchor if weight is None else weight
   return _Problem(to_local=_rotation_to_local(rig, config.bone_chart),
-                  penalty=lambda params: config.w_anchor * jnp.sum((params - init)**2))
+                  penalty=lambda params: weight * jnp.sum((params - init)**2))
 
 
 def _refine_frame(init_local: jax.Array, target: jax.Array, offsets: jax.Array, rig: Rig,
@@ -556,7 +600,11 @@ def _refine_frame(init_local: jax.Array, target: jax.Array, offsets: jax.Array, 
   B = bone_frames.bone_frames(offsets, rig)
   start = solver_chart(init_local, B, rig) if config.bone_chart else init_local
   params0 = rotations.sixd_from_matrix(start)
-  problem = _anchored_problem(params0, rig, config)
+  weight = None
+  if config.anchor_relative:  # a constant of the frame: no gradient flows into it
+    r0 = _position_residual(init_local, target, offsets, rig, config)
+    weight = config.w_anchor * config.w_data * jax.lax.stop_gradient(jnp.mean(jnp.sum(r0**2, -1)))
+  problem = _anchored_problem(params0, rig, config, weight)
   loss_fn = _frame_loss_fn(problem, target, offsets, rig, config)
   opt = _optimizer(config, config.iters)
   step = _make_step(loss_fn, opt, config)

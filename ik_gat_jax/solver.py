@@ -11,7 +11,9 @@ Frames and units (DESIGN section 2): positions are world joint positions `p_worl
 rig's joint order, in metres, in the rig's world axes (`rig.up`, `rig.forward`); `units` and
 `input_axes` convert other data first. Outputs: `local_rot` R_j (parent-relative; the root's is
 its world rotation), `global_rot` G_j (world), `bone_aligned_rot` Q_j = G_j @ B_j (world),
-`positions_fk` = FK of R on the subject's rest offsets with the root at the input root.
+`positions_fk` = FK of R on the subject's rest offsets with the root at the input root (refined
+solutions: at the refinement's fitted root, the input root moved by the mean residual over the
+joints, `iterative_ik.SolverConfig.fit_translation`; the exports' root follows it).
 
 Offsets. R is relative to one subject's rest offsets `o_j` (metres, each in its parent's frame):
 given, read from a BVH, or the checkpoint rig's template; `estimate_lengths=True` keeps their
@@ -93,7 +95,6 @@ from ik_gat_jax.io.units import UNITS, parse_units  # noqa: F401  (also solver.p
 from ik_gat_jax.skeleton import Rig, RigError, get_rig, rest_positions_np
 
 DEFAULT_BLOCK = 1024
-REFINE_LR = 0.003  # amortized + refine: the val sweep's best step (BENCHMARKS.md)
 # Signed axis maps of common engines onto a right-handed, y-up, z-forward, x-left world (the
 # built-in rigs' world): Unity is y-up, z-forward, left-handed (x = the body's right);
 # Unreal is z-up, x-forward, y-right, left-handed (and in centimetres: --units=cm).
@@ -353,7 +354,8 @@ class Solution:
     local_rot: `[T, J, 3, 3]` R_j, parent-relative (root: world rotation).
     global_rot: `[T, J, 3, 3]` G_j, world.
     bone_aligned_rot: `[T, J, 3, 3]` Q_j = G_j @ B_j, world.
-    positions_fk: `[T, J, 3]` FK of `local_rot` on `offsets`, root at the input root.
+    positions_fk: `[T, J, 3]` FK of `local_rot` on `offsets`, root at the input root (refined:
+      the fitted root; module docstring).
     positions: `[T, J, 3]` the input after units/axes conversion (what was solved).
     offsets: `[J, 3]` the subject's rest offsets R is relative to.
     bone_frames: `[J, 3, 3]` B from `offsets`.
@@ -405,6 +407,8 @@ def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None):
     if not full:
       return {'local_rot': local}
     G, p = kinematics.forward_kinematics(local, offsets, rig.parents, root_pos=positions[:, 0])
+    if refine is not None and refine.fit_translation:  # the refinement's own (fitted) root
+      p = p - jnp.mean(p - positions, axis=1, keepdims=True)
     return {'local_rot': local, 'global_rot': G, 'bone_aligned_rot': G @ B, 'positions_fk': p}
 
   return jax.jit(forward, static_argnums=4)
@@ -483,7 +487,7 @@ class IKSolver:
     self._traces = [0]
     self.refine = None
     if refine_iters > 0:
-      self.refine = iterative_ik.SolverConfig(iters=int(refine_iters), lr=REFINE_LR, w_anchor=0.0)
+      self.refine = iterative_ik.refine_config(refine_iters)
     self._forward = _make_forward(graphdef, self._treedef, self.rig, self._traces, self.refine)
     self._step_exec = None  # `step`'s compiled forward (bucket 1, no sparse input), on first use
     self._compiled: set[tuple] = set()  # `_signature`s of the clip chunks run so far

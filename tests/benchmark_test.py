@@ -67,12 +67,12 @@ def test_smoke_json_has_every_section_and_method(smoke):
   r, _, _ = smoke
   assert r['mode'] == 'smoke' and not r['skipped']
   methods = {'ikgat_tiny', 'ikgat_tiny_bf16', 'iterative', 'iterative_identity_root',
-             'iterative_noprior', 'swing', 'mean_pose'}
+             'iterative_fit_translation', 'iterative_noprior', 'swing', 'mean_pose'}
   assert set(r['accuracy']) == methods
   for res in r['accuracy'].values():
     assert res['frames'] == r['data']['subset_frames'] == 64
     assert {'per_part', 'per_subject', 'per_file', 'per_joint'} <= set(res)
-  assert set(r['speed']) == methods - {'iterative_identity_root'}
+  assert set(r['speed']) == methods - {'iterative_identity_root', 'iterative_fit_translation'}
   for s in r['speed'].values():
     assert s['latency']['p99_ms'] >= s['latency']['median_ms'] > 0
   assert set(r['speed']['ikgat_tiny']['throughput']) == {'64', '256'}
@@ -83,7 +83,8 @@ def test_smoke_json_has_every_section_and_method(smoke):
   assert iters == [5, 10]
   assert {p['name'] for p in r['pareto']} >= {'ikgat_tiny', 'swing', 'mean_pose'}
   assert [c['noise_mm'] for c in r['noise']['ikgat_tiny']] == [0.0, 20.0]
-  assert set(r['noise']) >= {'ikgat_tiny', 'swing', 'iterative', 'iterative_noprior'}
+  assert set(r['noise']) >= {'ikgat_tiny', 'swing', 'iterative', 'iterative_noprior',
+                            'iterative_fit_translation'}
   assert set(r['init_robustness']['iterative']) == {'analytic_root', 'identity_root',
                                                      'analytic_root_yaw90'}
   assert set(r['bf16']) == {'ikgat_tiny'}

@@ -186,6 +186,48 @@ def test_lbfgs_option_reduces_the_loss():
   assert (trace[:, -1] < 0.05 * trace[:, 0]).all()
 
 
+def test_fitted_translation_absorbs_a_noisy_root_joint():
+  """`fit_translation` (issue J): a root-relative input carries the root joint's noise in every
+  joint alike. With the root fixed to the target's root joint the refinement bends the pose to
+  meet the shifted joints; with the translation fitted the root joint is one point of J, and a
+  shift of every target (root included) leaves the solution as it was."""
+  true, off, pos = _synthetic(TOY, 3, seed=11, max_angle=1.0)
+  init = true @ jnp.asarray(SciRot.from_rotvec(np.full((3 * TOY.num_joints, 3), 0.05))
+                            .as_matrix().reshape(3, -1, 3, 3), jnp.float32)
+  shift = jnp.asarray([0.03, -0.02, 0.04], jnp.float32)
+  noisy_root = pos.at[:, 0].add(-shift)
+  run = jax.jit(lambda i, p, c: iterative_ik.refine_rotations(i, p, off, TOY, c)[0],
+                static_argnums=2)
+  fitted = iterative_ik.refine_config(100, w_anchor=0.0)
+  fixed = iterative_ik.refine_config(100, w_anchor=0.0, fit_translation=False)
+  moved = lambda c: float(jnp.mean(rotations.geodesic_angle(run(init, noisy_root, c),
+                                                           run(init, pos, c))))
+  assert moved(fitted) < 0.5 * moved(fixed)
+  a, b = run(init, pos, fitted), run(init, pos + shift, fitted)
+  assert float(jnp.max(rotations.geodesic_angle(a, b))) < 1e-3
+
+
+def test_relative_anchor_is_the_fixed_anchor_at_the_initial_residual():
+  """`anchor_relative`: the anchor weight is `w_anchor * w_data * r0`, r0 the initial pose's
+  mean squared residual per joint after the fitted translation; so one frame refined with it
+  equals the same frame refined with that weight fixed."""
+  true, off, pos = _synthetic(TOY, 2, seed=12, max_angle=1.0)
+  init = true @ jnp.asarray(SciRot.from_rotvec(np.full((2 * TOY.num_joints, 3), 0.1))
+                            .as_matrix().reshape(2, -1, 3, 3), jnp.float32)
+  rel = iterative_ik.refine_config(20)
+  assert rel.anchor_relative and rel.fit_translation
+  for i in range(2):
+    _, p0 = kinematics.forward_kinematics(init[i], off, TOY.parents, jnp.zeros(3))
+    r = p0 - pos[i]
+    r0 = float(jnp.mean(jnp.sum((r - r.mean(0))**2, -1)))
+    fixed = iterative_ik.refine_config(20, anchor_relative=False,
+                                       w_anchor=rel.w_anchor * rel.w_data * r0)
+    a = iterative_ik.refine_rotations(init[i:i + 1], pos[i:i + 1], off, TOY, rel)
+    b = iterative_ik.refine_rotations(init[i:i + 1], pos[i:i + 1], off, TOY, fixed)
+    np.testing.assert_allclose(a[0], b[0], atol=1e-5)
+    np.testing.assert_allclose(a[2], b[2], rtol=1e-4)
+
+
 def test_warm_start_beats_cold_and_is_causal_per_window(clip):
   _, off, pos = clip
   frames = pos[:16]

@@ -4,10 +4,12 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ik_gat_jax import bone_frames, checkpointing, data, evaluation, inference, prior_task, skeleton
+from ik_gat_jax import bone_frames, checkpointing, data, evaluation, inference, kinematics
+from ik_gat_jax import prior_task, skeleton
 from ik_gat_jax.io import exports
 
 SHIPPED = Path(__file__).resolve().parents[1] / 'checkpoints'
@@ -76,11 +78,30 @@ def test_solver_refine_flag_brings_joints_closer(cmu_dir, tmp_path):
   from ik_gat_jax.io import exports
   clip = exports.read_bvh_clip(cmu_dir / '07_05.bvh', skeleton.cmu_body(), max_frames=64)
   err = []
-  for n in (0, 10):
+  for n in (0, 50):
     sol = IKSolver.from_checkpoint(offsets=clip.offsets, refine_iters=n).solve(clip.positions,
                                                                                full=True)
     err.append(np.linalg.norm(sol.positions_fk - clip.positions, axis=-1)[:, 1:].mean())
   assert err[1] < 0.8 * err[0], err
+
+
+def test_refined_solution_is_closer_to_the_truth_than_noisy_input(cmu_dir):
+  """Issue J: on 10 mm of Gaussian noise per coordinate (the benchmark's protocol: added to the
+  world positions, so the root joint is noisy too), IK-GAT + the default refinement
+  (`refine_iters=50`) puts the joints closer to the clean truth than the noisy input is (FK
+  from the clean root, as the metrics do); expected ~13 vs ~16 mm (BENCHMARKS.md), so a wide
+  margin either side of the bound for another machine's round-off or noise draw."""
+  from ik_gat_jax import IKSolver
+  clip = exports.read_bvh_clip(cmu_dir / '07_05.bvh', skeleton.cmu_body(), max_frames=96)
+  clean = np.asarray(clip.positions, np.float32)
+  noisy = clean + np.random.default_rng(0).normal(scale=0.01, size=clean.shape).astype(np.float32)
+  sol = IKSolver.from_checkpoint(offsets=clip.offsets, refine_iters=50).solve(noisy, full=True)
+  _, fk = kinematics.forward_kinematics(jnp.asarray(sol.local_rot), jnp.asarray(clip.offsets),
+                                        skeleton.cmu_body().parents, jnp.asarray(clean[:, 0]))
+  moved = np.linalg.norm(np.asarray(clip.offsets), axis=-1) > 1e-6  # not co-located with the root
+  solved_mm = 1000 * np.linalg.norm(np.asarray(fk) - clean, axis=-1)[:, moved].mean()
+  input_mm = 1000 * np.linalg.norm(noisy - clean, axis=-1)[:, moved].mean()
+  assert solved_mm < input_mm - 1.0, (solved_mm, input_mm)
 
 
 def test_blocked_forward_is_the_whole_batch_forward(cmu_dir):
