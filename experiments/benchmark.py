@@ -37,7 +37,7 @@ _ITERS = flags.DEFINE_integer('iters', None, 'Default iterative budget (per fram
 _BF16 = flags.DEFINE_boolean('bf16', True, 'Also run IK-GAT in bfloat16.')
 _SEED = flags.DEFINE_integer('seed', None, 'Noise seed.')
 _REFINE = flags.DEFINE_list('refine_iters', [], 'Also IK-GAT + N refinement iterations '
-                            '(amortized + refine), e.g. 10,20.')
+                            '(amortized + refine), e.g. 20,50.')
 
 
 @fail_on_user_error

@@ -312,8 +312,10 @@ def define_flags() -> None:
     '(default: a BVH input\'s own units, else cm). Its rotation channels follow a BVH input\'s '
     'order per joint (ZYX otherwise).')
   flags.DEFINE_integer('block_size', None, 'Frames per compiled chunk (default 1024).')
-  flags.DEFINE_integer('refine_iters', 0, 'Refine IK-GAT with this many iterations of the '
-                       'rotation solver (amortized + refine; 10-20 is 1.5-2x the time).')
+  flags.DEFINE_integer('refine_iters', 0, 'Refine IK-GAT with this many anchored iterations '
+                       'of the rotation solver, root translation fitted (amortized + refine; 50 '
+                       'for noisy trackers: joints closer to the truth than the input, ~2x the '
+                       'time; BENCHMARKS.md).')
   flags.DEFINE_integer('latency_frames', 0, 'Also report single-frame latency (median, p99) '
                        'over this many streamed frames.')
   flags.DEFINE_enum('filter', None, ['none', 'one_euro'], 'Causal temporal filter of the '

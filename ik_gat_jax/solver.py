@@ -542,7 +542,9 @@ class IKSolver:
     `joint_map`/`bvh_units` as for BVH input, `io.exports.read_bvh_offsets`) set the default
     subject; otherwise the checkpoint rig's template. `expected_rig` refuses a checkpoint for
     another rig (CheckpointError). `refine_iters > 0` refines each solution with that many
-    iterations of the rotation solver (about 1.5-2x the time for 10-20; BENCHMARKS.md).
+    iterations of the rotation solver (`iterative_ik.refine_config`: the root translation
+    fitted, anchored to the network's pose; 50 for noisy trackers, about 2x the time of the
+    clip path; BENCHMARKS.md "Amortized + refine").
     `temporal_filter` (None: the checkpoint's `temporal` config, else none) at frame rate `fps`
     (module docstring). `attention`: how the graph attention is evaluated (`gat.set_form`, the
     same function): 'dense', or 'auto', the sparse form from 16 frames on: 1.3x the clip
