@@ -27,7 +27,8 @@
 - Iterative IK: one optimisation core `_optimize` (fixed budget, `lax.scan` over iterations;
   Adam with a cosine-decayed step, or optax L-BFGS with its zoom line search) minimising, for ONE
   frame, `w_data * sum_j |FK(params)_j - p_j|^2` (metres, root translation fixed to the target
-  root) plus a penalty. Two parameterisations plug into it:
+  root, or fitted in closed form: `SolverConfig.fit_translation`) plus a penalty. Two
+  parameterisations plug into it:
   - rotations (no prior): per-joint 6D of all J rotations, root included, no penalty; with
     `SolverConfig.bone_chart` (the default) the 6D of the solvers' bone chart
     `D_j = B_j^T R0_j^T R_j B_j` (`solver_chart`: `R0` the rig's reference pose, identity for
@@ -260,8 +261,9 @@ class SolverConfig:
       pose being scored (the mean over joints of `target - FK(params, root at 0)`, closed form)
       instead of the target's root joint. The input is root-relative, so noise on the root
       joint shifts every other target alike; a fixed root turns that shift into a bias of
-      every rotation, a fitted one absorbs it (issue J: BENCHMARKS.md "Amortized + refine on
-      noisy input"). Scoring is unchanged (metrics put the root at the true root).
+      every rotation, a fitted one absorbs it (issue J: BENCHMARKS.md "On noisy input: a fitted
+      root and a relative anchor"). Scoring is unchanged (metrics put the root at the true
+      root). Re-rigging moves no position, so the fit stays rig-invariant.
     anchor_relative: refinement only: the anchor's weight is `w_anchor * w_data * r0`, `r0`
       the initial pose's mean squared position residual per joint (m^2; with
       `fit_translation`, after the fitted translation): a MAP-like weighting in which the pull
@@ -296,8 +298,9 @@ class SolverConfig:
 
 
 # Amortized + refine (issues G1, J): chosen on val over the whole noise curve (BENCHMARKS.md
-# "Amortized + refine"): the root translation fitted, the anchor relative to the initial
-# residual (w_anchor 50), lr 0.003 over 50 iterations (`REFINE_ITERS`, the suggested budget).
+# "On noisy input: a fitted root and a relative anchor"): the root translation fitted, the
+# anchor relative to the initial residual (w_anchor 50), lr 0.003 over 50 iterations
+# (`REFINE_ITERS`, the suggested budget).
 REFINE_DEFAULTS = {'lr': 0.003, 'w_anchor': 50.0, 'fit_translation': True,
                    'anchor_relative': True}
 REFINE_ITERS = 50
