@@ -379,6 +379,13 @@ def add_ikgat(ctx: Context, found: Found) -> None:
       _add(ctx, f'ikgat_{size}+refine{n}', 'ikgat',
            lambda p=path, r=refine: evaluation.ikgat_method(p, ctx.rig, ctx.config.chunk,
                                                             refine=r))
+    if ctx.config.refine_iters and ctx.prior is not None:
+      # The refinement with the pose prior (issue J) at the largest budget.
+      n = max(ctx.config.refine_iters)
+      refine = iterative_ik.refine_config(n, prior=True)
+      _add(ctx, f'ikgat_{size}+refine{n}+prior', 'ikgat',
+           lambda p=path, r=refine: evaluation.ikgat_method(p, ctx.rig, ctx.config.chunk,
+                                                            refine=r, loaded_prior=ctx.prior))
 
 
 def cold_core(rig: Rig, config: iterative_ik.SolverConfig,

@@ -3,6 +3,7 @@
   python -m experiments.evaluate --data=DIR --split=test \
       --method=ikgat|iterative|iterative_noprior|swing|mean_pose [--checkpoint=DIR] [--prior=DIR] \
       [--iters=N] [--warm_start] [--noise_mm=S] [--max_frames=N] [--refine_iters=N] \
+      [--[no]refine_prior] \
       [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B] \
       [--trackers=full|6|10|A,B,C] [--joint_dropout=P] [--orientations=A,B,C] [--end_sites] \
       --output_json=FILE
@@ -46,13 +47,19 @@ _INIT_ROOT = flags.DEFINE_enum('init_root', 'analytic', ['analytic', 'identity']
                                'Cold-start root rotation.')
 _OPTIMIZER = flags.DEFINE_enum('optimizer', 'adam', ['adam', 'lbfgs'], 'Solver optimizer.')
 _REFINE = flags.DEFINE_integer('refine_iters', 0, 'ikgat only: refine its output with this many '
-                               'anchored iterations of the no-prior solver (0: off).')
+                               'anchored iterations (0: off; --refine_prior).')
 _REFINE_LR = flags.DEFINE_float('refine_lr', None, 'Learning rate of the refinement (default: '
                                  'iterative_ik.REFINE_DEFAULTS).')
 _W_ANCHOR = flags.DEFINE_float('w_anchor', None, 'Refinement: weight pulling toward IK-GAT '
                                '(default: iterative_ik.REFINE_DEFAULTS).')
 _ANCHOR_RELATIVE = flags.DEFINE_boolean('anchor_relative', None, 'Refinement: --w_anchor '
                                         'relative to the initial residual (default: on).')
+_REFINE_PRIOR = flags.DEFINE_boolean('refine_prior', True, 'Refinement: with the pose prior '
+                                     '(--prior, default the shipped one; '
+                                     'iterative_ik.PRIOR_REFINE_DEFAULTS); --norefine_prior: '
+                                     'anchored to IK-GAT only (REFINE_DEFAULTS).')
+_W_PRIOR = flags.DEFINE_float('w_prior', None, 'Refinement: weight of the prior term (default: '
+                              'iterative_ik.PRIOR_REFINE_DEFAULTS).')
 _FIT_TRANSLATION = flags.DEFINE_boolean('fit_translation', None, 'Fit the root translation '
                                         '(least squares) instead of taking the input root '
                                         'joint\'s: iterative solvers (default: off) and the '
@@ -91,9 +98,11 @@ def refine_config():
     return None
   if _METHOD.value != 'ikgat':
     raise ValueError('--refine_iters applies to --method=ikgat only')
-  return iterative_ik.refine_config(_REFINE.value, lr=_REFINE_LR.value, w_anchor=_W_ANCHOR.value,
+  return iterative_ik.refine_config(_REFINE.value, prior=_REFINE_PRIOR.value,
+                                    lr=_REFINE_LR.value, w_anchor=_W_ANCHOR.value,
                                     anchor_relative=_ANCHOR_RELATIVE.value,
-                                    fit_translation=_FIT_TRANSLATION.value)
+                                    fit_translation=_FIT_TRANSLATION.value,
+                                    w_prior=_W_PRIOR.value)
 
 
 def temporal_filter(method_info: dict):

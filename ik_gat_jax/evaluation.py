@@ -265,8 +265,13 @@ def sparse_inputs(sparse: SparseInputs, method: Method, positions: np.ndarray, d
 
 def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
                  dtype: str = 'float32',
-                 refine: iterative_ik.SolverConfig | None = None) -> Method:
+                 refine: iterative_ik.SolverConfig | None = None,
+                 prior_dir: str | Path | None = None,
+                 loaded_prior: Prior | None = None) -> Method:
   """IK-GAT from a run or checkpoint directory (default: the shipped one).
+
+  `refine` (amortized + refine) with `w_prior > 0` uses the pose prior (`loaded_prior`, or
+  loaded from `prior_dir`, default the shipped one) in the refinement (`SolverConfig.w_prior`).
 
   A window model (issue K; `info['input_window']` k > 1) takes positions `[N, k, J, 3]`, each
   frame's past frames then itself (`evaluate` builds them per clip); given `[N, J, 3]` it reads
@@ -281,6 +286,14 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
   B_of = _bone_frames_fn(rig)
 
   window = model.config.window
+  prior = None
+  if refine is not None and refine.w_prior > 0:
+    prior = loaded_prior or load_prior(prior_dir, rig)
+    if not prior.decode.bone_chart and prior.rig_fingerprint not in (None, rig.fingerprint()):
+      raise ValueError(f'the refinement\'s prior {prior.path} models local rotations in its own '
+                       'rig\'s binds (a joint-chart prior), not this rig\'s: pass a bone-chart '
+                       'prior (--prior) or --norefine_prior')
+  prior_fn = (prior.decode, prior.params) if prior is not None else None
 
   @jax.jit
   def solve(positions, offsets, orientations=None, orientation_mask=None, end_sites=None,
@@ -298,7 +311,8 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
       batch.update(orientations=orientations.astype(dtype), orientation_mask=orientation_mask)
     if end_sites is not None:
       batch.update(end_sites=end_sites.astype(dtype), end_site_mask=end_site_mask)
-    return inference.ikgat_infer(model, batch, refine=refine).astype(jnp.float32)
+    return inference.ikgat_infer(model, batch, refine=refine,
+                                 prior=prior_fn).astype(jnp.float32)
 
   info = {'checkpoint': str(path), 'model': meta['config']['model'],
           'trained_steps': meta.get('step'), 'dtype': dtype, 'input_window': window,
@@ -309,7 +323,10 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
                             'end_sites': model.config.end_sites}}
   if refine is not None:
     info['refine'] = dataclasses.asdict(refine)
+  if prior is not None:
+    info['refine_prior'] = str(prior.path)
   name = 'ikgat' if refine is None else f'ikgat+refine{refine.iters}'
+  name += '+prior' if prior is not None else ''
   return Method(name, solve, chunk, info)
 
 
@@ -348,14 +365,15 @@ class Prior:
   params: Any
   latent: int
   path: Path
+  rig_fingerprint: str | None = None  # the rig it was trained on (`Rig.fingerprint`)
 
 
 def load_prior(prior_dir: str | Path | None, rig: Rig) -> Prior:
   """The pose prior of a run or checkpoint directory (default: the shipped one)."""
   path = Path(prior_dir) if prior_dir else inference.SHIPPED_PRIOR
-  model, _ = inference.load_model(path, task=prior_task.PRIOR_TASK, expected_rig=rig)
+  model, meta = inference.load_model(path, task=prior_task.PRIOR_TASK, expected_rig=rig)
   decode, params = vposer.decoder(model)
-  return Prior(decode, params, model.config.latent, path)
+  return Prior(decode, params, model.config.latent, path, Rig.from_json(meta['rig']).fingerprint())
 
 
 def iterative_method(rig: Rig, config: iterative_ik.SolverConfig, prior_dir: str | Path | None,
@@ -384,10 +402,11 @@ def make_method(name: str, rig: Rig, *, train_data=None, checkpoint=None, prior=
                 chunk: int | None = None, dtype: str = 'float32',
                 refine: iterative_ik.SolverConfig | None = None) -> Method:
   """The method `name` (one of `METHODS`) for `rig`; `dtype` and `refine` (amortized + refine:
-  `refine_rotations` from IK-GAT's output) apply to IK-GAT only."""
+  `refine_rotations` from IK-GAT's output) apply to IK-GAT only; `prior` (a directory; default
+  the shipped prior) serves the iterative solver and a refinement with `w_prior > 0`."""
   kw = {'chunk': chunk} if chunk else {}
   if name == 'ikgat':
-    return ikgat_method(checkpoint, rig, dtype=dtype, refine=refine, **kw)
+    return ikgat_method(checkpoint, rig, dtype=dtype, refine=refine, prior_dir=prior, **kw)
   if name == 'swing':
     return swing_method(rig, **kw)
   if name == 'mean_pose':

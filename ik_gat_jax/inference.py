@@ -111,12 +111,14 @@ def micro_batch_size() -> int:
 
 def ikgat_infer(model, batch, config=None, rig=None,
                 refine: iterative_ik.SolverConfig | None = None,
-                micro_batch: int | None = None) -> jax.Array:
+                micro_batch: int | None = None, prior=None) -> jax.Array:
   """The one IK-GAT forward: deterministic, to local rotations `[B, J, 3, 3]` (batch:
   positions, bone_frames; optional joint_mask, orientations, orientation_mask, end_sites,
   end_site_mask where the model takes them; a window model's history `[B, k-1, J, 3]`).
   `refine` (amortized + refine, G1) adds that many anchored iterations of the rotation solver
-  from the network's output; it needs `batch['offsets'] [B or 1, J, 3]` and every joint. A
+  from the network's output; it needs `batch['offsets'] [B or 1, J, 3]` and every joint;
+  `prior` (`vposer.decoder(prior_model)`, optional) adds the pose prior's term to it
+  (`iterative_ik.SolverConfig.w_prior`). A
   batch of more than `micro_batch` examples (None: `micro_batch_size()`; 0: never) runs the
   network in blocks of that many (`lax.map`, the last block padded with copies of the last
   example): the same function per example, one executable."""
@@ -132,7 +134,7 @@ def ikgat_infer(model, batch, config=None, rig=None,
   if refine is not None:
     local = iterative_ik.refine_rotations(
         local.astype(jnp.float32), batch['positions'].astype(jnp.float32),
-        batch['offsets'].astype(jnp.float32), rig, refine)[0]
+        batch['offsets'].astype(jnp.float32), rig, refine, *(prior or (None, None)))[0]
   return local
 
 

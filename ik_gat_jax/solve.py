@@ -103,7 +103,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                smpl_npz: str | None = None, smpl_world: str = 'rig',
                bvh_units: str | float | None = None,
                block_size: int | None = None, progress: bool | None = None,
-               refine_iters: int = 0,
+               refine_iters: int = 0, refine_prior: str | None = 'shipped',
                filter_kind: str | None = None, filter_min_cutoff: float | None = None,
                filter_beta: float | None = None, filter_d_cutoff: float | None = None,
                latency_frames: int = 0, log: Callable[[str], None] = _stderr,
@@ -122,6 +122,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   latency (median, p99 ms over that many compiled `step` calls) to the summary. `filter_kind`
   ('none' | 'one_euro') and `filter_*` override fields of the checkpoint's temporal filter
   (temporal.py; none for the shipped checkpoint), run causally over the clip at its rate.
+  `refine_prior` (with `refine_iters`): 'shipped' (the shipped pose prior where it is for the
+  checkpoint's rig), a prior directory, or 'none' (`IKSolver.from_checkpoint`).
   `trackers` (a `trackers.tracker_mask` spec) and NaN input joints mark joints missing, and
   `orientations` (an .npy) gives world rotations, for checkpoints trained for them (issue G2).
   `end_sites`: an .npy `[T, E, 3]` of the rig leaves' end-site points (input units and axes,
@@ -146,6 +148,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   solver = solver_lib.IKSolver.from_checkpoint(
       checkpoint, expected_rig=rig, block_size=block_size or solver_lib.DEFAULT_BLOCK,
       refine_iters=refine_iters, offsets_from=offsets_from, joint_map=joint_map,
+      refine_prior=None if refine_prior in (None, '', 'none') else refine_prior,
       bvh_units=offsets_units)
   solver.temporal_filter = temporal.with_overrides(solver.temporal_filter, filter_kind,
                                                    filter_min_cutoff, filter_beta,
@@ -316,6 +319,8 @@ def define_flags() -> None:
                        'of the rotation solver, root translation fitted (amortized + refine; 50 '
                        'for noisy trackers: joints closer to the truth than the input, ~2x the '
                        'time; BENCHMARKS.md).')
+  s('refine_prior', 'shipped', 'The refinement\'s pose prior: shipped (checkpoints/prior where it '
+    'is for the checkpoint\'s rig, else none), a prior run or checkpoint directory, or none.')
   flags.DEFINE_integer('latency_frames', 0, 'Also report single-frame latency (median, p99) '
                        'over this many streamed frames.')
   flags.DEFINE_enum('filter', None, ['none', 'one_euro'], 'Causal temporal filter of the '
@@ -353,7 +358,8 @@ def main(argv) -> None:
                  clip_frames=F.clip_frames, smpl_npz=F.smpl_npz, smpl_world=F.smpl_world,
                  bvh_units=F.bvh_units,
                  block_size=F.block_size, latency_frames=F.latency_frames,
-                 refine_iters=F.refine_iters, filter_kind=F['filter'].value,
+                 refine_iters=F.refine_iters, refine_prior=F.refine_prior,
+                 filter_kind=F['filter'].value,
                  filter_min_cutoff=F.filter_min_cutoff, filter_beta=F.filter_beta,
                  filter_d_cutoff=F.filter_d_cutoff, trackers=F.trackers,
                  orientations=F.orientations, end_sites=F.end_sites)

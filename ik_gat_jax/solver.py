@@ -87,7 +87,9 @@ from ik_gat_jax import inference
 from ik_gat_jax import iterative_ik
 from ik_gat_jax import kinematics
 from ik_gat_jax import padding
+from ik_gat_jax import prior_task
 from ik_gat_jax import temporal
+from ik_gat_jax import vposer
 from ik_gat_jax import windows
 from ik_gat_jax.errors import CheckpointError, InputError  # noqa: F401  (also solver.InputError)
 from ik_gat_jax.io import exports
@@ -390,20 +392,23 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
   return next(b for b in buckets if b >= n)
 
 
-def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None):
+def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None, prior=None):
   """jit((state leaves, positions [b, J, 3], offsets [J, 3], B [J, 3, 3]), full static) -> dict.
 
-  The model state goes in as its flat list of leaves (`treedef` rebuilds it at trace time): a
-  call then skips flattening the nested nnx State, ~25 us of a ~0.4 ms live frame.
+  The model state (with the refinement's prior state: `(state, prior_state)`) goes in as its
+  flat list of leaves (`treedef` rebuilds it at trace time): a call then skips flattening the
+  nested nnx State, ~25 us of a ~0.4 ms live frame.
 
   `refine` (an `iterative_ik.SolverConfig`): amortized + refine, a few anchored iterations of the
-  rotation solver from IK-GAT's output (issue G1; BENCHMARKS.md).
+  rotation solver from IK-GAT's output (issues G1, J; BENCHMARKS.md), with the pose prior
+  `prior` (`vposer.DecoderFn`, static) where given.
   """
 
   def forward(leaves, positions, offsets, B, full, sparse=None):
     counter[0] += 1  # runs at trace time only: counts compilations
-    state = jax.tree.unflatten(treedef, leaves)
-    local = _infer(graphdef, rig, refine, state, positions, offsets, B, sparse)
+    state, prior_state = jax.tree.unflatten(treedef, leaves)
+    local = _infer(graphdef, rig, refine, state, positions, offsets, B, sparse,
+                   (prior, prior_state) if prior is not None else None)
     if not full:
       return {'local_rot': local}
     G, p = kinematics.forward_kinematics(local, offsets, rig.parents, root_pos=positions[:, 0])
@@ -414,26 +419,47 @@ def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None):
   return jax.jit(forward, static_argnums=4)
 
 
-def _infer(graphdef, rig: Rig, refine, state, positions, offsets, B, sparse=None):
-  """The network (+ the optional refinement): positions `[b, J, 3]` -> local `[b, J, 3, 3]`."""
+def _infer(graphdef, rig: Rig, refine, state, positions, offsets, B, sparse=None, prior=None):
+  """The network (+ the optional refinement, with `prior = (DecoderFn, state)` where given):
+  positions `[b, J, 3]` -> local `[b, J, 3, 3]`."""
   return inference.ikgat_infer(nnx.merge(graphdef, state),
                                {'positions': positions, 'bone_frames': B[None],
-                                'offsets': offsets, **(sparse or {})}, rig=rig, refine=refine)
+                                'offsets': offsets, **(sparse or {})}, rig=rig, refine=refine,
+                               prior=prior)
 
 
 def _make_stream_step(graphdef, treedef, rig: Rig, counter: list[int], refine,
-                      config: temporal.FilterConfig, fps: float):
+                      config: temporal.FilterConfig, fps: float, prior=None):
   """jit((state leaves, filter state, one frame [1, J, 3], offsets, B, sparse)) -> (filter state,
   filtered local [J, 3, 3]): network and temporal filter in one call, so a filtered live stream
   pays one dispatch per frame, not two (measured: +42% latency as two calls)."""
 
   def step(leaves, fstate, positions, offsets, B, sparse=None):
     counter[0] += 1
-    state = jax.tree.unflatten(treedef, leaves)
-    local = _infer(graphdef, rig, refine, state, positions, offsets, B, sparse)
+    state, prior_state = jax.tree.unflatten(treedef, leaves)
+    local = _infer(graphdef, rig, refine, state, positions, offsets, B, sparse,
+                   (prior, prior_state) if prior is not None else None)
     return temporal.filter_step(fstate, local[0], config, fps)
 
   return jax.jit(step)
+
+
+def _refine_prior(prior: str | os.PathLike | None, rig: Rig):
+  """The refinement's pose prior model (`IKSolver.from_checkpoint`'s `refine_prior`) or None."""
+  if prior is None:
+    return None
+  if str(prior) == 'shipped':
+    path = Path(inference.SHIPPED_PRIOR)
+    if not path.is_dir():
+      return None
+    model, meta = inference.load_model(path, task=prior_task.PRIOR_TASK)
+    prior_rig = Rig.from_json(meta['rig'])
+    # A bone-chart prior serves any binds of its joints (issue L); a joint-chart one (the
+    # shipped prior) models local rotations in its own rig's binds, so only that rig.
+    fits = (prior_rig.joint_names == rig.joint_names if model.config.bone_chart
+            else prior_rig.fingerprint() == rig.fingerprint())
+    return model if fits else None
+  return inference.load_model(prior, task=prior_task.PRIOR_TASK, expected_rig=rig)[0]
 
 
 _fk_jit = jax.jit(lambda local, off, root, rig: kinematics.forward_kinematics(
@@ -474,7 +500,7 @@ class IKSolver:
   def __init__(self, model, meta: dict | None = None, *, offsets=None,
                block_size: int = DEFAULT_BLOCK, source: str | None = None,
                refine_iters: int = 0, temporal_filter: temporal.FilterConfig | None = None,
-               fps: float = 30.0):
+               fps: float = 30.0, refine_prior=None):
     self.rig: Rig = model.rig
     self.meta = meta or {}
     self.source = source
@@ -483,12 +509,16 @@ class IKSolver:
     self.offsets = (check_offsets(offsets, self.rig) if offsets is not None
                     else self._template_offsets())
     graphdef, state = nnx.split(model)
-    self._leaves, self._treedef = jax.tree.flatten(state)
+    # The refinement's pose prior (issue J): a `vposer.PosePrior` for this rig, or None.
+    self._prior, prior_state = (vposer.decoder(refine_prior)
+                                if refine_iters > 0 and refine_prior is not None else (None, None))
+    self._leaves, self._treedef = jax.tree.flatten((state, prior_state))
     self._traces = [0]
     self.refine = None
     if refine_iters > 0:
-      self.refine = iterative_ik.refine_config(refine_iters)
-    self._forward = _make_forward(graphdef, self._treedef, self.rig, self._traces, self.refine)
+      self.refine = iterative_ik.refine_config(refine_iters, prior=self._prior is not None)
+    self._forward = _make_forward(graphdef, self._treedef, self.rig, self._traces, self.refine,
+                                  self._prior)
     self._step_exec = None  # `step`'s compiled forward (bucket 1, no sparse input), on first use
     self._compiled: set[tuple] = set()  # `_signature`s of the clip chunks run so far
     self._executables: dict[tuple, object] = {}  # argument signature -> compiled forward
@@ -522,7 +552,7 @@ class IKSolver:
     self._filter_state = None
     self._stream_step = (_make_stream_step(self._graphdef, self._treedef, self.rig,
                                            self._traces, self.refine, self.temporal_filter,
-                                           self._fps)
+                                           self._fps, self._prior)
                          if self.temporal_filter.active else None)
     self.window_ratio = self._fps / self.window_fps
     self._history = (windows.StreamHistory(self.window, self.window_ratio)
@@ -535,7 +565,8 @@ class IKSolver:
                       joint_map: str | None = None, bvh_units: str | float | None = None,
                       refine_iters: int = 0,
                       temporal_filter: temporal.FilterConfig | None = None,
-                      fps: float = 30.0, attention: str = 'dense') -> 'IKSolver':
+                      fps: float = 30.0, attention: str = 'dense',
+                      refine_prior: str | os.PathLike | None = 'shipped') -> 'IKSolver':
     """Loads a run directory or checkpoint (None: `inference.SHIPPED_IKGAT`).
 
     `offsets [J, 3]` (metres) or `offsets_from` (a BVH: its rest offsets reduced to the rig,
@@ -543,8 +574,11 @@ class IKSolver:
     subject; otherwise the checkpoint rig's template. `expected_rig` refuses a checkpoint for
     another rig (CheckpointError). `refine_iters > 0` refines each solution with that many
     iterations of the rotation solver (`iterative_ik.refine_config`: the root translation
-    fitted, anchored to the network's pose; 50 for noisy trackers, about 2x the time of the
-    clip path; BENCHMARKS.md "Amortized + refine").
+    fitted, anchored to the network's pose and, with `refine_prior`, pulled toward a pose
+    prior's decoding as the input gets noisier; 50 for noisy trackers; BENCHMARKS.md
+    "Amortized + refine"). `refine_prior`: 'shipped' (default) uses `inference.SHIPPED_PRIOR`
+    where it is for this checkpoint's rig (else the refinement runs without a prior), a
+    directory a prior that must be for the rig (CheckpointError otherwise), None none.
     `temporal_filter` (None: the checkpoint's `temporal` config, else none) at frame rate `fps`
     (module docstring). `attention`: how the graph attention is evaluated (`gat.set_form`, the
     same function): 'dense', or 'auto', the sparse form from 16 frames on: 1.3x the clip
@@ -566,8 +600,10 @@ class IKSolver:
     if offsets_from is not None:
       offsets = exports.read_bvh_offsets(offsets_from, model.rig, joint_map=joint_map,
                                          units=bvh_units)
+    prior = _refine_prior(refine_prior, model.rig) if refine_iters > 0 else None
     return cls(model, meta, offsets=offsets, block_size=block_size, source=str(path),
-               refine_iters=refine_iters, temporal_filter=temporal_filter, fps=fps)
+               refine_iters=refine_iters, temporal_filter=temporal_filter, fps=fps,
+               refine_prior=prior)
 
   # -- offsets ------------------------------------------------------------------------------
 
@@ -706,7 +742,8 @@ class IKSolver:
       if self._description is None:
         self._description = (f'ik_gat_jax.solver forward\n{self._graphdef!r}\n{self._treedef}\n'
                              f'{[(x.shape, x.dtype.name) for x in self._leaves]}\n'
-                             f'refine={self.refine!r}\nmicro_batch={inference.micro_batch_size()}'
+                             f'refine={self.refine!r}\nprior={self._prior!r}\n'
+                             f'micro_batch={inference.micro_batch_size()}'
                              f' of {inference.MICRO_BATCH_CPU}')
       avals = [(np.shape(a), np.dtype(a.dtype).name) for a in jax.tree.leaves(args[1:])]
       key = compile_cache.executable_key(

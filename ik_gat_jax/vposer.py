@@ -228,12 +228,19 @@ class DecoderFn:
   """`decode(state, z, B) -> [J-1, 3, 3]` non-root local rotations of the subject with rest bone
   frames `B [J, 3, 3]`, for `iterative_ik.solve_latent*`: hashable (static), with the weights
   passed as the traced `state`. `bone_chart`: the prior's chart (the latent solver puts the root
-  in the same chart)."""
+  in the same chart). `encode(state, local, B) -> z` (the encoder's mean) and `decode` make it
+  the refinement's `iterative_ik.PosePrior` too."""
   graphdef: Any
   bone_chart: bool = False
 
   def __call__(self, state: nnx.State, z: jax.Array, B: jax.Array) -> jax.Array:
+    return self.decode(state, z, B)
+
+  def decode(self, state: nnx.State, z: jax.Array, B: jax.Array) -> jax.Array:
     return nnx.merge(self.graphdef, state).decode(z, B)
+
+  def encode(self, state: nnx.State, local_rot: jax.Array, B: jax.Array) -> jax.Array:
+    return nnx.merge(self.graphdef, state).encode(local_rot, B)[0]
 
 
 def decoder(model: PosePrior) -> tuple[DecoderFn, nnx.State]:

@@ -455,3 +455,19 @@ def test_latent_solver_takes_the_same_path_on_every_rig(legs):
   assert decode.bone_chart
   _check_same_solution(legs, lambda p, o, rig: iterative_ik.solve_latent_jit(
       p, o, decode, params, rig, SOLVER, latent_dim=8)[0])
+
+
+def test_refinement_with_a_bone_chart_prior_takes_the_same_path_on_every_rig(legs):
+  """The refinement with a pose prior (issue J): its start (swing IK, equivariant) and loss (the
+  anchor in the solvers' chart, the prior term a Frobenius distance to a bone-chart decoding)
+  are the same on both rigs, so is its solution. 20 mm of noise makes the prior term count."""
+  decode, params = vposer.decoder(_chart_prior(legs['rig']))
+  noise = 0.02 * np.random.default_rng(3).normal(size=np.shape(legs['positions']))
+  config = iterative_ik.refine_config(SOLVER.iters, prior=True)
+
+  def solve(p, o, rig):
+    p = p + noise
+    init = iterative_ik.swing_ik(p, o, rig)
+    return iterative_ik.refine_rotations(init, p, o, rig, config, decode, params)[0]
+
+  _check_same_solution(legs, jax.jit(solve, static_argnums=2))
