@@ -1,7 +1,8 @@
 """The benchmark: amortized IK-GAT against iterative IK, accuracy and speed side by side.
 
   python -m experiments.benchmark --output_dir=DIR [--checkpoints=DIR] [--prior=DIR] \
-      [--data=DIR] [--split=test] [--quick|--smoke] [--max_frames=N] [--iters=N] [--no_bf16]
+      [--data=DIR] [--split=test] [--quick|--smoke] [--max_frames=N] [--iters=N] [--nobf16] \
+      [--refine_iters=N,M] [--[no]mirror]
 
 Runs `experiments.benchmark_suite.run_suite` (its docstring lists the sections and what --smoke,
 --quick and the full default run) and writes DIR/benchmark.json, DIR/tables.md and PNG plots.
@@ -10,7 +11,9 @@ optionally a pose prior; missing ones fall back to the shipped checkpoints/, els
 are skipped with a printed reason. --data defaults to the shard directory the checkpoints were
 trained on. --max_frames sets the frames every method runs on (iterative ones included; default
 64 with --smoke, 256 with --quick, 1024 otherwise; 0: the whole split); --iters the iterative
-budget of the accuracy, noise and speed rows (10 with --smoke, else 100).
+budget of the accuracy, noise and speed rows (10 with --smoke, else 100); --refine_iters adds
+IK-GAT + refinement rows (and + the prior's refinement at the largest budget); --mirror (default
+on, off with --smoke) IK-GAT with mirror averaging, alone and before the prior's refinement.
 Run it on a quiet machine: every other process skews the timings. Expected time on the 2-core
 CPU: --smoke under a minute, --quick a few minutes, full longer (tens of minutes).
 """
@@ -36,6 +39,8 @@ _MAX_FRAMES = flags.DEFINE_integer(
 _ITERS = flags.DEFINE_integer('iters', None, 'Default iterative budget (per frame).')
 _BF16 = flags.DEFINE_boolean('bf16', True, 'Also run IK-GAT in bfloat16.')
 _SEED = flags.DEFINE_integer('seed', None, 'Noise seed.')
+_MIRROR = flags.DEFINE_boolean('mirror', None, 'Also IK-GAT with mirror averaging (+mirror rows; '
+                               'default: on, off in --smoke).')
 _REFINE = flags.DEFINE_list('refine_iters', [], 'Also IK-GAT + N refinement iterations '
                             '(amortized + refine), e.g. 20,50.')
 
@@ -48,7 +53,8 @@ def main(argv):
   mode = 'smoke' if _SMOKE.value else 'quick' if _QUICK.value else 'full'
   config = benchmark.preset(mode, split=_SPLIT.value, max_frames=_MAX_FRAMES.value,
                             iters=_ITERS.value, bf16=_BF16.value, seed=_SEED.value,
-                            refine_iters=tuple(int(n) for n in _REFINE.value) or None)
+                            refine_iters=tuple(int(n) for n in _REFINE.value) or None,
+                            mirror=_MIRROR.value)
   found = benchmark.resolve_checkpoints(_CHECKPOINTS.value, _PRIOR.value)
   data = _DATA.value or benchmark.default_data_dir(found)
   if data is None:

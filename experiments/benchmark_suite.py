@@ -126,6 +126,7 @@ class SuiteConfig:
   matmul_n: int = 2048
   bf16: bool = True
   refine_iters: tuple[int, ...] = ()  # amortized + refine points (G1): ikgat_<size>+refine<N>
+  mirror: bool = True  # ikgat_<size>+mirror (and +mirror+refine<max N>+prior): mirror averaging
   whole_split: bool = True  # also the fast methods on the whole split
   warm: bool = True  # the warm-start row (prior)
   seed: int = 0
@@ -142,7 +143,7 @@ PRESETS = {
         noise_mm=(0.0, 20.0), init_yaw_deg=(90.0,), batch_sizes=(64, 256), block_sweep=(64, 256),
         iterative_batch_cap=64, pareto_batch=64, chunk=64, latency_calls=20,
         latency_seconds=0.2, throughput_seconds=0.02, matmul_n=512, whole_split=False,
-        warm=False),
+        warm=False, mirror=False),
 }
 
 
@@ -364,7 +365,9 @@ def _add(ctx: Context, name: str, kind: str, make: Callable[[], Method]) -> None
 
 
 def add_ikgat(ctx: Context, found: Found) -> None:
-  """`ikgat_<size>` (and `ikgat_<size>_bf16`) for every IK-GAT checkpoint found."""
+  """`ikgat_<size>` (and `ikgat_<size>_bf16`) for every IK-GAT checkpoint found, with the
+  configured refinement rows and, with `config.mirror`, mirror averaging (`+mirror`, and before
+  the prior's refinement at the largest budget)."""
   if not found.ikgat:
     ctx.skipped['ikgat'] = ('no IK-GAT checkpoint under --checkpoints and no shipped one at '
                             f'{inference.SHIPPED_IKGAT}')
@@ -386,6 +389,13 @@ def add_ikgat(ctx: Context, found: Found) -> None:
       _add(ctx, f'ikgat_{size}+refine{n}+prior', 'ikgat',
            lambda p=path, r=refine: evaluation.ikgat_method(p, ctx.rig, ctx.config.chunk,
                                                             refine=r, loaded_prior=ctx.prior))
+      if ctx.config.mirror:
+        _add(ctx, f'ikgat_{size}+mirror+refine{n}+prior', 'ikgat',
+             lambda p=path, r=refine: evaluation.ikgat_method(
+                 p, ctx.rig, ctx.config.chunk, refine=r, loaded_prior=ctx.prior, mirror=True))
+    if ctx.config.mirror:
+      _add(ctx, f'ikgat_{size}+mirror', 'ikgat',
+           lambda p=path: evaluation.ikgat_method(p, ctx.rig, ctx.config.chunk, mirror=True))
 
 
 def cold_core(rig: Rig, config: iterative_ik.SolverConfig,

@@ -3,7 +3,7 @@
   python -m experiments.evaluate --data=DIR --split=test \
       --method=ikgat|iterative|iterative_noprior|swing|mean_pose [--checkpoint=DIR] [--prior=DIR] \
       [--iters=N] [--warm_start] [--noise_mm=S] [--max_frames=N] [--refine_iters=N] \
-      [--[no]refine_prior] \
+      [--[no]refine_prior] [--mirror] \
       [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B] \
       [--trackers=full|6|10|A,B,C] [--joint_dropout=P] [--orientations=A,B,C] [--end_sites] \
       --output_json=FILE
@@ -60,6 +60,9 @@ _REFINE_PRIOR = flags.DEFINE_boolean('refine_prior', True, 'Refinement: with the
                                      'anchored to IK-GAT only (REFINE_DEFAULTS).')
 _W_PRIOR = flags.DEFINE_float('w_prior', None, 'Refinement: weight of the prior term (default: '
                               'iterative_ik.PRIOR_REFINE_DEFAULTS).')
+_MIRROR = flags.DEFINE_boolean('mirror', False, 'ikgat only: test-time mirror averaging (the '
+                               'network also solves the mirror-image input; the geodesic '
+                               'midpoint of both, before any refinement; twice the network).')
 _FIT_TRANSLATION = flags.DEFINE_boolean('fit_translation', None, 'Fit the root translation '
                                         '(least squares) instead of taking the input root '
                                         'joint\'s: iterative solvers (default: off) and the '
@@ -105,6 +108,12 @@ def refine_config():
                                     w_prior=_W_PRIOR.value)
 
 
+def _mirror() -> bool:
+  if _MIRROR.value and _METHOD.value != 'ikgat':
+    raise ValueError('--mirror applies to --method=ikgat only')
+  return _MIRROR.value
+
+
 def temporal_filter(method_info: dict):
   """The method's default filter (an ikgat checkpoint's `temporal` config) under the flags."""
   base = temporal.FilterConfig(**method_info.get('temporal', {}))
@@ -123,7 +132,8 @@ def main(argv):
   method = evaluation.make_method(_METHOD.value, ds.rig, train_data=train_data,
                                   checkpoint=_CHECKPOINT.value, prior=_PRIOR.value,
                                   solver=solver_config(), warm_start=_WARM.value,
-                                  chunk=_BATCH.value, refine=refine_config())
+                                  chunk=_BATCH.value, refine=refine_config(),
+                                  mirror=_mirror())
   result = evaluation.evaluate(method, ds, ds.rig, max_frames=_MAX_FRAMES.value,
                                noise_mm=_NOISE.value, seed=_SEED.value,
                                temporal_filter=temporal_filter(method.info),

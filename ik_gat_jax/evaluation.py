@@ -267,11 +267,12 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
                  dtype: str = 'float32',
                  refine: iterative_ik.SolverConfig | None = None,
                  prior_dir: str | Path | None = None,
-                 loaded_prior: Prior | None = None) -> Method:
+                 loaded_prior: Prior | None = None, mirror: bool = False) -> Method:
   """IK-GAT from a run or checkpoint directory (default: the shipped one).
 
   `refine` (amortized + refine) with `w_prior > 0` uses the pose prior (`loaded_prior`, or
   loaded from `prior_dir`, default the shipped one) in the refinement (`SolverConfig.w_prior`).
+  `mirror`: test-time mirror averaging (`inference.ikgat_infer`), before any refinement.
 
   A window model (issue K; `info['input_window']` k > 1) takes positions `[N, k, J, 3]`, each
   frame's past frames then itself (`evaluate` builds them per clip); given `[N, J, 3]` it reads
@@ -311,8 +312,8 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
       batch.update(orientations=orientations.astype(dtype), orientation_mask=orientation_mask)
     if end_sites is not None:
       batch.update(end_sites=end_sites.astype(dtype), end_site_mask=end_site_mask)
-    return inference.ikgat_infer(model, batch, refine=refine,
-                                 prior=prior_fn).astype(jnp.float32)
+    return inference.ikgat_infer(model, batch, refine=refine, prior=prior_fn,
+                                 mirror=mirror).astype(jnp.float32)
 
   info = {'checkpoint': str(path), 'model': meta['config']['model'],
           'trained_steps': meta.get('step'), 'dtype': dtype, 'input_window': window,
@@ -325,7 +326,9 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
     info['refine'] = dataclasses.asdict(refine)
   if prior is not None:
     info['refine_prior'] = str(prior.path)
-  name = 'ikgat' if refine is None else f'ikgat+refine{refine.iters}'
+  info['mirror'] = mirror
+  name = 'ikgat' + ('+mirror' if mirror else '')
+  name += '' if refine is None else f'+refine{refine.iters}'
   name += '+prior' if prior is not None else ''
   return Method(name, solve, chunk, info)
 
@@ -400,13 +403,15 @@ def iterative_method(rig: Rig, config: iterative_ik.SolverConfig, prior_dir: str
 def make_method(name: str, rig: Rig, *, train_data=None, checkpoint=None, prior=None,
                 solver: iterative_ik.SolverConfig | None = None, warm_start: bool = False,
                 chunk: int | None = None, dtype: str = 'float32',
-                refine: iterative_ik.SolverConfig | None = None) -> Method:
-  """The method `name` (one of `METHODS`) for `rig`; `dtype` and `refine` (amortized + refine:
-  `refine_rotations` from IK-GAT's output) apply to IK-GAT only; `prior` (a directory; default
+                refine: iterative_ik.SolverConfig | None = None, mirror: bool = False) -> Method:
+  """The method `name` (one of `METHODS`) for `rig`; `dtype`, `mirror` (test-time mirror
+  averaging) and `refine` (amortized + refine: `refine_rotations` from IK-GAT's output) apply to
+  IK-GAT only; `prior` (a directory; default
   the shipped prior) serves the iterative solver and a refinement with `w_prior > 0`."""
   kw = {'chunk': chunk} if chunk else {}
   if name == 'ikgat':
-    return ikgat_method(checkpoint, rig, dtype=dtype, refine=refine, prior_dir=prior, **kw)
+    return ikgat_method(checkpoint, rig, dtype=dtype, refine=refine, prior_dir=prior,
+                        mirror=mirror, **kw)
   if name == 'swing':
     return swing_method(rig, **kw)
   if name == 'mean_pose':

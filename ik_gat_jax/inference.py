@@ -19,6 +19,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from ik_gat_jax import bone_frames as bf
 from ik_gat_jax import checkpointing
 from ik_gat_jax import compile_cache
 from ik_gat_jax import input_pipeline
@@ -111,7 +112,7 @@ def micro_batch_size() -> int:
 
 def ikgat_infer(model, batch, config=None, rig=None,
                 refine: iterative_ik.SolverConfig | None = None,
-                micro_batch: int | None = None, prior=None) -> jax.Array:
+                micro_batch: int | None = None, prior=None, mirror: bool = False) -> jax.Array:
   """The one IK-GAT forward: deterministic, to local rotations `[B, J, 3, 3]` (batch:
   positions, bone_frames; optional joint_mask, orientations, orientation_mask, end_sites,
   end_site_mask where the model takes them; a window model's history `[B, k-1, J, 3]`).
@@ -121,21 +122,64 @@ def ikgat_infer(model, batch, config=None, rig=None,
   (`iterative_ik.SolverConfig.w_prior`). A
   batch of more than `micro_batch` examples (None: `micro_batch_size()`; 0: never) runs the
   network in blocks of that many (`lax.map`, the last block padded with copies of the last
-  example): the same function per example, one executable."""
+  example): the same function per example, one executable.
+
+  `mirror` (test-time mirror averaging): the network also solves the mirror image of the input
+  (`mirror_inputs`; it needs `batch['offsets']`) in the same call, and the answer is the
+  geodesic midpoint of its own and the mirrored solution mapped back
+  (`input_pipeline.unmirror_local`): twice the network's work, and a solver that is exactly
+  mirror-equivariant whatever the network learned (tests/mirror_test.py)."""
   del config
   rig = rig or model.rig
   inputs = {'positions': batch['positions'], 'bone_frames': batch['bone_frames'],
             **model_lib.extra_inputs(batch, model.config)}
+  n = inputs['positions'].shape[0]
+  if mirror:
+    inputs = mirror_inputs(inputs, batch['offsets'], rig)
   mb = micro_batch_size() if micro_batch is None else int(micro_batch)
   if mb and inputs['positions'].shape[0] > mb:
     local = _in_blocks(model, inputs, rig, mb)
   else:
     local = _network(model, inputs, rig)
+  if mirror:
+    local = rotations.matrix_slerp(local[:n], input_pipeline.unmirror_local(local[n:], rig), 0.5)
   if refine is not None:
     local = iterative_ik.refine_rotations(
         local.astype(jnp.float32), batch['positions'].astype(jnp.float32),
         batch['offsets'].astype(jnp.float32), rig, refine, *(prior or (None, None)))[0]
   return local
+
+
+MIRRORED_INPUTS = ('positions', 'bone_frames', 'joint_mask', 'history')
+
+
+def check_mirror_averaging(rig: Rig, off: str = 'turn it off (--nomirror)') -> None:
+  """ValueError for a rig mirror averaging cannot serve: not mirror-symmetric in its reference
+  pose (`input_pipeline.check_mirror`), so the mirror image of a pose is not the partner's."""
+  input_pipeline.check_mirror(rig, 'mirror averaging', off)
+
+
+def mirror_inputs(inputs: dict, offsets: jax.Array, rig: Rig) -> dict:
+  """The network's inputs `[B, ...]` followed by those of the input's mirror image (`[2B, ...]`):
+  the mirror-image body (`input_pipeline.mirror_offsets`, its bone frames) seen by the same
+  tracker (`mirror_positions` of the points and the history, the joint mask permuted). Refuses
+  inputs it cannot mirror (orientations, end sites) and a rig that is not mirror-symmetric
+  (`input_pipeline.check_mirror`)."""
+  other = sorted(set(inputs) - set(MIRRORED_INPUTS))
+  if other:
+    raise ValueError(f'mirror averaging takes positions (and a window model\'s history, a joint '
+                     f'mask), not {", ".join(other)}: turn it off for these inputs')
+  check_mirror_averaging(rig)
+  n = inputs['positions'].shape[0]
+  offsets = jnp.broadcast_to(offsets, (n,) + offsets.shape[-2:])
+  mirrored = {'positions': input_pipeline.mirror_positions(inputs['positions'], rig),
+              'bone_frames': bf.bone_frames(input_pipeline.mirror_offsets(offsets, rig), rig)}
+  if 'history' in inputs:
+    mirrored['history'] = input_pipeline.mirror_positions(inputs['history'], rig)
+  if 'joint_mask' in inputs:
+    mirrored['joint_mask'] = inputs['joint_mask'][..., np.asarray(rig.mirror)]
+  whole = lambda k: jnp.broadcast_to(inputs[k], (n,) + inputs[k].shape[1:])
+  return {k: jnp.concatenate([whole(k), v.astype(inputs[k].dtype)]) for k, v in mirrored.items()}
 
 
 def _network(model, inputs: dict, rig: Rig) -> jax.Array:

@@ -221,11 +221,13 @@ MIRROR_ASYMMETRY_DEG = 20.0  # reference-pose bones this far from their partner'
 # its subjects up to 14 at the Head; a re-rigged zero pose: tens of degrees)
 
 
-def check_mirror(rig: Rig) -> None:
+def check_mirror(rig: Rig, what: str = 'augment.mirror',
+                 off: str = 'set --config.augment.mirror=0') -> None:
   """Refuses mirroring (ValueError, at the first traced step, i.e. training start) for a rig
   whose reference pose is not mirror-symmetric (`Rig.mirror_asymmetry` above
   `MIRROR_ASYMMETRY_DEG`): `mirror_rotations` would then pair frames that are not mirror
-  images, and the targets would be wrong. A rig without a template is not checked."""
+  images, and the targets would be wrong. A rig without a template is not checked. `what` and
+  `off` name the feature and how to turn it off in the message."""
   if not rig.template_offsets:
     return
   angle, joint = rig.mirror_asymmetry()
@@ -233,11 +235,11 @@ def check_mirror(rig: Rig) -> None:
     where = ('its reference pose' if rig.has_reference_pose else
              'its zero pose (it names no reference_pose)')
     raise ValueError(
-        f'augment.mirror: rig {rig.name!r} is not mirror-symmetric in {where}: the {joint} bone '
+        f'{what}: rig {rig.name!r} is not mirror-symmetric in {where}: the {joint} bone '
         f'is {angle:.0f} degrees from its partner\'s mirror image (limit '
-        f'{MIRROR_ASYMMETRY_DEG:g}), so mirrored targets would be wrong. Give the rig its natural '
-        'pose (convert with bvh_to_shards --reference_pose=first_frame, or a joint map '
-        '"reference_pose" of per-joint channel values) or set --config.augment.mirror=0')
+        f'{MIRROR_ASYMMETRY_DEG:g}), so mirrored rotations would be wrong. Give the rig its '
+        'natural pose (convert with bvh_to_shards --reference_pose=first_frame, or a joint map '
+        f'"reference_pose" of per-joint channel values) or {off}')
 
 
 def mirror_rotations(rig: Rig) -> np.ndarray | None:
@@ -278,22 +280,60 @@ def mirror_batch(batch: dict, flip: jax.Array, rig: Rig) -> dict:
   mirror-symmetric.
   """
   check_mirror(rig)
-  M = _mirror_matrix(rig)
-  m = np.asarray(rig.mirror)
-  off = batch['offsets'][:, m] @ M.T
-  R = M @ batch['local_rot'][:, m] @ M
-  pos = batch['positions'][:, m] @ M.T
-  C = mirror_rotations(rig)
-  if C is not None:
-    Cp = np.stack([np.eye(3) if p < 0 else C[p] for p in rig.parents])
-    Cp_t = jnp.asarray(np.swapaxes(Cp, -1, -2), off.dtype)
-    off = jnp.einsum('jab,...jb->...ja', Cp_t, off)
-    R = Cp_t @ R @ jnp.asarray(C, R.dtype)
+  off = mirror_offsets(batch['offsets'], rig)
+  R = mirror_local(batch['local_rot'], rig)
+  pos = mirror_positions(batch['positions'], rig)
   B = bf.bone_frames(off, rig)
   sel = lambda a, b: jnp.where(flip.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
   return {**batch, 'offsets': sel(off, batch['offsets']), 'local_rot': sel(R, batch['local_rot']),
           'positions': sel(pos, batch['positions']),
           'bone_frames': sel(B, batch['bone_frames'])}
+
+
+def _mirror_changes(rig: Rig) -> tuple[np.ndarray | None, np.ndarray | None]:
+  """`(C [J, 3, 3], C_parent [J, 3, 3])` of `mirror_rotations` (identity at the root's parent),
+  or `(None, None)` for a rig whose reference pose is its zero pose."""
+  C = mirror_rotations(rig)
+  if C is None:
+    return None, None
+  return C, np.stack([np.eye(3) if p < 0 else C[p] for p in rig.parents])
+
+
+def mirror_positions(x: jax.Array, rig: Rig) -> jax.Array:
+  """World points `[..., J, 3]` of the mirror-image body: `x'_j = M x_m(j)` (`mirror_batch`)."""
+  return x[..., np.asarray(rig.mirror), :] @ _mirror_matrix(rig).T.astype(x.dtype)
+
+
+def mirror_offsets(offsets: jax.Array, rig: Rig) -> jax.Array:
+  """Rest offsets `[..., J, 3]` of the mirror-image body: `o'_j = C_parent^T M o_m(j)`."""
+  off = mirror_positions(offsets, rig)
+  _, Cp = _mirror_changes(rig)
+  if Cp is None:
+    return off
+  return jnp.einsum('jba,...jb->...ja', jnp.asarray(Cp, off.dtype), off)
+
+
+def mirror_local(R: jax.Array, rig: Rig) -> jax.Array:
+  """Local rotations `[..., J, 3, 3]` of the mirror-image motion:
+  `R'_j = C_parent^T (M R_m(j) M) C_j` (`mirror_batch`)."""
+  M = _mirror_matrix(rig).astype(R.dtype)
+  R = M @ R[..., np.asarray(rig.mirror), :, :] @ M
+  C, Cp = _mirror_changes(rig)
+  if C is None:
+    return R
+  return jnp.asarray(np.swapaxes(Cp, -1, -2), R.dtype) @ R @ jnp.asarray(C, R.dtype)
+
+
+def unmirror_local(R_mirrored: jax.Array, rig: Rig) -> jax.Array:
+  """The inverse of `mirror_local`: the local rotations of the motion whose mirror image has
+  `R_mirrored`, `R_m(j) = M C_parent R'_j C_j^T M` (m an involution, so
+  `unmirror_local(mirror_local(R)) = R` up to rounding)."""
+  C, Cp = _mirror_changes(rig)
+  R = R_mirrored
+  if C is not None:
+    R = jnp.asarray(Cp, R.dtype) @ R @ jnp.asarray(np.swapaxes(C, -1, -2), R.dtype)
+  M = _mirror_matrix(rig).astype(R.dtype)
+  return (M @ R @ M)[..., np.asarray(rig.mirror), :, :]
 
 
 def _repeat(a: jax.Array, group: int) -> jax.Array:

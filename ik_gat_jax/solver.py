@@ -392,7 +392,8 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
   return next(b for b in buckets if b >= n)
 
 
-def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None, prior=None):
+def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None, prior=None,
+                  mirror: bool = False):
   """jit((state leaves, positions [b, J, 3], offsets [J, 3], B [J, 3, 3]), full static) -> dict.
 
   The model state (with the refinement's prior state: `(state, prior_state)`) goes in as its
@@ -401,14 +402,15 @@ def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None, 
 
   `refine` (an `iterative_ik.SolverConfig`): amortized + refine, a few anchored iterations of the
   rotation solver from IK-GAT's output (issues G1, J; BENCHMARKS.md), with the pose prior
-  `prior` (`vposer.DecoderFn`, static) where given.
+  `prior` (`vposer.DecoderFn`, static) where given. `mirror`: test-time mirror averaging
+  (`inference.ikgat_infer`).
   """
 
   def forward(leaves, positions, offsets, B, full, sparse=None):
     counter[0] += 1  # runs at trace time only: counts compilations
     state, prior_state = jax.tree.unflatten(treedef, leaves)
     local = _infer(graphdef, rig, refine, state, positions, offsets, B, sparse,
-                   (prior, prior_state) if prior is not None else None)
+                   (prior, prior_state) if prior is not None else None, mirror)
     if not full:
       return {'local_rot': local}
     G, p = kinematics.forward_kinematics(local, offsets, rig.parents, root_pos=positions[:, 0])
@@ -419,17 +421,19 @@ def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None, 
   return jax.jit(forward, static_argnums=4)
 
 
-def _infer(graphdef, rig: Rig, refine, state, positions, offsets, B, sparse=None, prior=None):
-  """The network (+ the optional refinement, with `prior = (DecoderFn, state)` where given):
-  positions `[b, J, 3]` -> local `[b, J, 3, 3]`."""
+def _infer(graphdef, rig: Rig, refine, state, positions, offsets, B, sparse=None, prior=None,
+           mirror: bool = False):
+  """The network (mirror-averaged with `mirror`; + the optional refinement, with `prior =
+  (DecoderFn, state)` where given): positions `[b, J, 3]` -> local `[b, J, 3, 3]`."""
   return inference.ikgat_infer(nnx.merge(graphdef, state),
                                {'positions': positions, 'bone_frames': B[None],
                                 'offsets': offsets, **(sparse or {})}, rig=rig, refine=refine,
-                               prior=prior)
+                               prior=prior, mirror=mirror)
 
 
 def _make_stream_step(graphdef, treedef, rig: Rig, counter: list[int], refine,
-                      config: temporal.FilterConfig, fps: float, prior=None):
+                      config: temporal.FilterConfig, fps: float, prior=None,
+                      mirror: bool = False):
   """jit((state leaves, filter state, one frame [1, J, 3], offsets, B, sparse)) -> (filter state,
   filtered local [J, 3, 3]): network and temporal filter in one call, so a filtered live stream
   pays one dispatch per frame, not two (measured: +42% latency as two calls)."""
@@ -438,7 +442,7 @@ def _make_stream_step(graphdef, treedef, rig: Rig, counter: list[int], refine,
     counter[0] += 1
     state, prior_state = jax.tree.unflatten(treedef, leaves)
     local = _infer(graphdef, rig, refine, state, positions, offsets, B, sparse,
-                   (prior, prior_state) if prior is not None else None)
+                   (prior, prior_state) if prior is not None else None, mirror)
     return temporal.filter_step(fstate, local[0], config, fps)
 
   return jax.jit(step)
@@ -500,8 +504,14 @@ class IKSolver:
   def __init__(self, model, meta: dict | None = None, *, offsets=None,
                block_size: int = DEFAULT_BLOCK, source: str | None = None,
                refine_iters: int = 0, temporal_filter: temporal.FilterConfig | None = None,
-               fps: float = 30.0, refine_prior=None):
+               fps: float = 30.0, refine_prior=None, mirror: bool = False):
     self.rig: Rig = model.rig
+    self.mirror = bool(mirror)
+    if self.mirror:  # a rig that cannot be mirrored: refused here, not at the first solve
+      try:
+        inference.check_mirror_averaging(self.rig, 'turn it off (mirror=False, no --mirror)')
+      except ValueError as e:
+        raise InputError(str(e)) from None
     self.meta = meta or {}
     self.source = source
     self.block_size = int(block_size)
@@ -518,7 +528,7 @@ class IKSolver:
     if refine_iters > 0:
       self.refine = iterative_ik.refine_config(refine_iters, prior=self._prior is not None)
     self._forward = _make_forward(graphdef, self._treedef, self.rig, self._traces, self.refine,
-                                  self._prior)
+                                  self._prior, self.mirror)
     self._step_exec = None  # `step`'s compiled forward (bucket 1, no sparse input), on first use
     self._compiled: set[tuple] = set()  # `_signature`s of the clip chunks run so far
     self._executables: dict[tuple, object] = {}  # argument signature -> compiled forward
@@ -552,7 +562,7 @@ class IKSolver:
     self._filter_state = None
     self._stream_step = (_make_stream_step(self._graphdef, self._treedef, self.rig,
                                            self._traces, self.refine, self.temporal_filter,
-                                           self._fps, self._prior)
+                                           self._fps, self._prior, self.mirror)
                          if self.temporal_filter.active else None)
     self.window_ratio = self._fps / self.window_fps
     self._history = (windows.StreamHistory(self.window, self.window_ratio)
@@ -566,7 +576,8 @@ class IKSolver:
                       refine_iters: int = 0,
                       temporal_filter: temporal.FilterConfig | None = None,
                       fps: float = 30.0, attention: str = 'dense',
-                      refine_prior: str | os.PathLike | None = 'shipped') -> 'IKSolver':
+                      refine_prior: str | os.PathLike | None = 'shipped',
+                      mirror: bool = False) -> 'IKSolver':
     """Loads a run directory or checkpoint (None: `inference.SHIPPED_IKGAT`).
 
     `offsets [J, 3]` (metres) or `offsets_from` (a BVH: its rest offsets reduced to the rig,
@@ -579,6 +590,10 @@ class IKSolver:
     "Amortized + refine"). `refine_prior`: 'shipped' (default) uses `inference.SHIPPED_PRIOR`
     where it is for this checkpoint's rig (else the refinement runs without a prior), a
     directory a prior that must be for the rig (CheckpointError otherwise), None none.
+    `mirror`: test-time mirror averaging (the network also solves the mirror image of each
+    frame, and the answer is the geodesic midpoint of both, before any refinement): twice the
+    network's work for an exactly mirror-equivariant solver, 0.2 deg lower error on CMU val
+    (BENCHMARKS.md "Mirror averaging"); the rig must be mirror-symmetric in its reference pose.
     `temporal_filter` (None: the checkpoint's `temporal` config, else none) at frame rate `fps`
     (module docstring). `attention`: how the graph attention is evaluated (`gat.set_form`, the
     same function): 'dense', or 'auto', the sparse form from 16 frames on: 1.3x the clip
@@ -603,7 +618,7 @@ class IKSolver:
     prior = _refine_prior(refine_prior, model.rig) if refine_iters > 0 else None
     return cls(model, meta, offsets=offsets, block_size=block_size, source=str(path),
                refine_iters=refine_iters, temporal_filter=temporal_filter, fps=fps,
-               refine_prior=prior)
+               refine_prior=prior, mirror=mirror)
 
   # -- offsets ------------------------------------------------------------------------------
 
@@ -697,6 +712,9 @@ class IKSolver:
     if out and self.refine is not None:
       raise InputError('refinement (refine_iters) needs every joint and takes no orientations '
                        'or end sites')
+    if self.mirror and ('orientations' in out or 'end_sites' in out):
+      raise InputError('mirror averaging takes positions (and a joint mask), not orientations '
+                       'or end sites: turn it off (mirror=False) for these inputs')
     return out or None
 
   @staticmethod
@@ -743,6 +761,7 @@ class IKSolver:
         self._description = (f'ik_gat_jax.solver forward\n{self._graphdef!r}\n{self._treedef}\n'
                              f'{[(x.shape, x.dtype.name) for x in self._leaves]}\n'
                              f'refine={self.refine!r}\nprior={self._prior!r}\n'
+                             f'mirror={self.mirror}\n'
                              f'micro_batch={inference.micro_batch_size()}'
                              f' of {inference.MICRO_BATCH_CPU}')
       avals = [(np.shape(a), np.dtype(a.dtype).name) for a in jax.tree.leaves(args[1:])]
