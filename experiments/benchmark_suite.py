@@ -579,6 +579,7 @@ def noise_section(ctx: Context, accuracy: dict[str, dict]) -> dict[str, list[dic
     for sigma in ctx.config.noise_mm:
       r = accuracy[name] if sigma == 0 else _evaluate(ctx, ctx.methods[name], noise_mm=sigma)
       curve.append({'noise_mm': float(sigma), **{k: r[k] for k in keep}})
+    _released(None)
     ctx.log(f'noise {name}: ' + ', '.join(f"{c['noise_mm']:g} mm {c['local_rot_err_deg']:.2f}"
                                           for c in curve))
     out[name] = curve
@@ -769,8 +770,9 @@ def run_suite(data_dir: str | os.PathLike, output_dir: str | os.PathLike, config
       f"{d} {m['gflops_per_s']:.1f} GFLOP/s" for d, m in result['matmul'].items()))
   result['accuracy'] = accuracy_section(ctx)
   result['accuracy_whole_split'] = whole_split_section(ctx)
-  result['speed'] = {n: speed_of(ctx, n) for n in _speed_methods(ctx)}
-  result['block_sweep'] = {n: block_sweep(ctx, n) for n, k in ctx.kinds.items() if k == 'ikgat'}
+  result['speed'] = {n: _released(speed_of(ctx, n)) for n in _speed_methods(ctx)}
+  result['block_sweep'] = {n: _released(block_sweep(ctx, n)) for n, k in ctx.kinds.items()
+                           if k == 'ikgat'}
   result['pareto'] = pareto_section(ctx, result['accuracy'])
   result['noise'] = noise_section(ctx, result['accuracy'])
   result['init_robustness'] = init_section(ctx, result['accuracy'])
@@ -784,6 +786,16 @@ def run_suite(data_dir: str | os.PathLike, output_dir: str | os.PathLike, config
   write_outputs(result, out_dir)
   say(f'wrote {out_dir}/benchmark.json, tables.md, ' + ', '.join(PLOTS))
   return result
+
+
+def _released(section: Any) -> Any:
+  """`section`, after dropping every compiled executable (`jax.clear_caches`): each timed
+  method compiles a dozen shapes, and LLVM maps every executable's code into its own memory
+  sections, so two dozen methods exhausted the kernel's default 65,530 mappings per process
+  (vm.max_map_count; the run aborted with "Unable to allocate section memory"). A later
+  section compiles again what it needs."""
+  jax.clear_caches()
+  return section
 
 
 def write_outputs(result: dict, out_dir: Path) -> None:
