@@ -128,7 +128,7 @@ def ikgat_infer(model, batch, config=None, rig=None,
   (`mirror_inputs`; it needs `batch['offsets']`) in the same call, and the answer is the
   geodesic midpoint of its own and the mirrored solution mapped back
   (`input_pipeline.unmirror_local`): twice the network's work, and a solver that is exactly
-  mirror-equivariant whatever the network learned (tests/mirror_test.py)."""
+  mirror-equivariant whatever the network learned (tests/rig_invariance_test.py)."""
   del config
   rig = rig or model.rig
   inputs = {'positions': batch['positions'], 'bone_frames': batch['bone_frames'],
