@@ -2,15 +2,19 @@
 
   python -m experiments.temporal_compare --data=/tmp/cmu --split=test \
       [--per_frame=checkpoints/ikgat_base] [--temporal=checkpoints/ikgat_temporal] \
-      [--noise_mm=0,10,20,30] [--no_iterative] [--latency_calls=2000] --output_dir=DIR
+      [--noise_mm=0,10,20,30] [--no_iterative] [--latency_calls=2000] [--refine_iters=50] \
+      --output_dir=DIR
 
 Methods, every one on the same noisy frames (`evaluation.evaluate`, i.i.d. Gaussian noise per
 coordinate, seed 0): the per-frame IK-GAT, the same with the causal One-Euro filter at its val
 choice (docs/benchmarks/temporal.md: 1.5 Hz, beta 0.5, d_cutoff 1 Hz), the temporal (window)
-IK-GAT, and the iterative solver (+ prior, 100 iterations, cold). Columns: local rotation error,
+IK-GAT, and the iterative solver (+ prior, 100 iterations, cold); with `refine_iters` > 0 (the
+default, 50) also both IK-GAT models at their most accurate, mirror-averaged and refined with the
+pose prior (`--mirror --refine_iters=50` in `experiments.evaluate`: each frame's solution refined
+against that frame's points, so the window model's stays causal). Columns: local rotation error,
 MPJPE (FK of the output on the true offsets), jitter / ground truth's, and the input's own
 MPJPE. Then `IKSolver.step` latency (median and p99 ms over `latency_calls` calls, one stream) of
-the three IK-GAT variants. Pin the process to one core for the latency the issue asks for:
+every IK-GAT variant. Pin the process to one core for the latency the issue asks for:
 `taskset -c 0 python -m experiments.temporal_compare ...` (the JSON records the cores it had).
 Writes DIR/temporal_compare.json and DIR/temporal_compare.md (atomically).
 """
@@ -22,7 +26,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments.common import fail_on_user_error
-from ik_gat_jax import data, evaluation, inference, provenance, temporal
+from ik_gat_jax import data, evaluation, inference, iterative_ik, provenance, temporal
 from ik_gat_jax.io import atomic
 from ik_gat_jax.solver import IKSolver
 
@@ -37,6 +41,8 @@ _NOISE = flags.DEFINE_list('noise_mm', ['0', '10', '20', '30'], 'Input noise lev
 _ITERATIVE = flags.DEFINE_boolean('iterative', True, 'Include the iterative solver.')
 _MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate at most this many frames.')
 _CALLS = flags.DEFINE_integer('latency_calls', 2000, 'step() calls per latency measurement.')
+_REFINE = flags.DEFINE_integer('refine_iters', 50, 'Also both IK-GAT models mirror-averaged and '
+                               'refined with this many iterations and the pose prior (0: not).')
 _OUTPUT = flags.DEFINE_string('output_dir', None, 'Output directory.')
 
 ONE_EURO = temporal.FilterConfig(kind='one_euro', min_cutoff=1.5, beta=0.5, d_cutoff=1.0)
@@ -80,6 +86,15 @@ def main(argv):
       'IK-GAT temporal': (evaluation.make_method('ikgat', rig, checkpoint=temporal_ckpt),
                           temporal.FilterConfig()),
   }
+  n = _REFINE.value
+  best = {}  # name -> (checkpoint, solver keywords) of the mirrored and refined rows
+  if n > 0:
+    refine = iterative_ik.refine_config(n, prior=True)
+    for label, path in (('per-frame', per_frame), ('temporal', temporal_ckpt)):
+      name = f'IK-GAT {label} + mirror + refine{n}'
+      methods[name] = (evaluation.make_method('ikgat', rig, checkpoint=path, refine=refine,
+                                              mirror=True), temporal.FilterConfig())
+      best[name] = (path, {'mirror': True, 'refine_iters': n})
   if _ITERATIVE.value:
     methods['iterative + prior, 100 it, cold'] = (
         evaluation.make_method('iterative', rig, prior=_PRIOR.value), temporal.FilterConfig())
@@ -100,10 +115,12 @@ def main(argv):
             f"{row['mpjpe_mm']:6.1f} mm (input {base:.1f})  jitter x{row['jitter_ratio']:.2f}",
             flush=True)
   latency = {}
-  for name, path, filt in (('IK-GAT per-frame', per_frame, temporal.FilterConfig()),
-                           ('IK-GAT per-frame + One-Euro', per_frame, ONE_EURO),
-                           ('IK-GAT temporal', temporal_ckpt, temporal.FilterConfig())):
-    solver = IKSolver.from_checkpoint(path, temporal_filter=filt, fps=ds.fps)
+  timed = [('IK-GAT per-frame', per_frame, {'temporal_filter': temporal.FilterConfig()}),
+           ('IK-GAT per-frame + One-Euro', per_frame, {'temporal_filter': ONE_EURO}),
+           ('IK-GAT temporal', temporal_ckpt, {'temporal_filter': temporal.FilterConfig()})]
+  timed += [(name, path, kw) for name, (path, kw) in best.items()]
+  for name, path, kw in timed:
+    solver = IKSolver.from_checkpoint(path, fps=ds.fps, **kw)
     latency[name] = solver.latency_stats(n=_CALLS.value)
     print(f"step {name}: median {latency[name]['median_ms']:.3f} ms, p99 "
           f"{latency[name]['p99_ms']:.3f} ms", flush=True)

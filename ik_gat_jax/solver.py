@@ -53,7 +53,8 @@ past frames, 1 / `window_fps` s apart (at another `fps` the past frames are inte
 `windows.py`). `solve` builds the windows of the clip; `step` and `solve_stream` keep the past
 frames as stream state, so a stream and the same frames as a clip get the same windows; the
 first frames of a clip or a stream (after `reset()`) see copies of its first frame in place of
-the frames before it. The output at frame t depends on frames <= t only.
+the frames before it. The output at frame t depends on frames <= t only; `refine_iters`
+refines each frame's window solution against that frame's points (per frame, so still causal).
 
 Temporal filter (issue G3, `temporal.py`). `temporal_filter` (a `temporal.FilterConfig`; default
 the checkpoint config's `temporal` section, none for the shipped checkpoint) smooths the local
@@ -543,10 +544,9 @@ class IKSolver:
     # A window model (issue K): each frame with its past frames, 1/window_fps s apart.
     self.window = int(model.config.window)
     self.window_fps = float(model.config.window_fps)
+    # A window model's refinement is per frame (the current frame's points, from the window's
+    # solution): causal, and a stream and a clip of the same frames agree (window_model_test).
     self.fps = fps  # the property below: the filter's stream step and the window's spacing
-    if self.window > 1 and self.refine is not None:
-      raise InputError('refinement (refine_iters) is for per-frame models; this one has an '
-                       f'input window of {self.window} frames')
 
   @property
   def fps(self) -> float:
