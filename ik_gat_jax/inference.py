@@ -76,7 +76,10 @@ def _ikgat_loss(model, batch, key, config, rig, teacher=None):
   """`teacher` (distillation, train.load_teacher): adds `loss.distill_weight` (default 1) x
   the mean geodesic angle between this model's output and the teacher's on the same augmented
   input (both in the same output space), reported as 'distill_rad'."""
-  if model.config.window > 1:  # issue K: windows of k frames, one body and tracker per window
+  velocity = velocity_weight(config)
+  if velocity:  # issue K: pairs of consecutive windows (k + 1 frames per sample)
+    batch = input_pipeline.augment_window_pairs(batch, key, config.augment, rig)
+  elif model.config.window > 1:  # issue K: windows of k frames, one body and tracker per window
     batch = input_pipeline.augment_windows(batch, key, config.augment, rig)
   else:
     batch = input_pipeline.augment(batch, key, config.augment, rig)
@@ -84,11 +87,20 @@ def _ikgat_loss(model, batch, key, config, rig, teacher=None):
                **model_lib.extra_inputs(batch, model.config))
   loss, aux = losses.ikgat_loss(pred, batch, rig, model.config.output_space, config.loss.alpha,
                                 model.config.bone_chart)
+  if velocity:
+    local = model_lib.to_local(pred, batch['bone_frames'], rig, model.config.output_space,
+                               model.config.bone_chart)
+    vel = losses.velocity_loss(local, batch['local_rot'])
+    loss = 0.5 * (loss[:vel.shape[0]] + loss[vel.shape[0]:]) + velocity * vel
+    aux = {**{k: 0.5 * (v[:vel.shape[0]] + v[vel.shape[0]:]) for k, v in aux.items()},
+           'velocity_rad': vel}
   if teacher is None:
     return loss, aux
   target = jax.lax.stop_gradient(teacher(batch['input_positions'], deterministic=True,
                                          **model_lib.extra_inputs(batch, teacher.config)))
   distill = jnp.mean(rotations.geodesic_angle(pred, target), axis=-1)
+  if velocity:  # per sample: the mean over its two windows, as the loss
+    distill = 0.5 * (distill[:distill.shape[0] // 2] + distill[distill.shape[0] // 2:])
   return loss + config.loss.get('distill_weight', 1.0) * distill, {**aux, 'distill_rad': distill}
 
 
@@ -97,6 +109,20 @@ def window_of(config) -> int:
   without one."""
   model = config.get('model') if hasattr(config, 'get') else None
   return int(model.get('window', 1)) if model is not None else 1
+
+
+def velocity_weight(config) -> float:
+  """`loss.velocity_weight` of a window model's run config (issue K; 0 = off, also for
+  per-frame models and configs from before it)."""
+  if window_of(config) <= 1:
+    return 0.0
+  return float(config.loss.get('velocity_weight', 0.0))
+
+
+def training_window(config) -> int:
+  """Frames per training sample: the model's window, one more with the velocity loss (two
+  consecutive windows per sample)."""
+  return window_of(config) + (1 if velocity_weight(config) > 0 else 0)
 
 
 MICRO_BATCH_CPU = 64

@@ -594,6 +594,33 @@ def augment_windows(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
   the current frame's `positions`, `local_rot`, `offsets`, `bone_frames`, `input_positions`
   and the noisy past frames `history [B, k-1, J, 3]`.
   """
+  out, noisy = _augmented_window_frames(batch, key, aug, rig)
+  B_, k, J = noisy.shape[:3]
+  current = lambda a: a.reshape((B_, k) + a.shape[1:])[:, -1]
+  return {'positions': current(out['positions']), 'local_rot': current(out['local_rot']),
+          'offsets': current(out['offsets']), 'bone_frames': current(out['bone_frames']),
+          'input_positions': noisy[:, -1], 'history': noisy[:, :-1]}
+
+
+def augment_window_pairs(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
+  """`augment_windows` for the velocity loss (issue K, `loss.velocity_weight`): samples of k+1
+  frames (`gather_batch(window=k+1)`) augmented as one window (one body, one tracker, the same
+  noisy frames), returned as its two overlapping windows of k frames, the earlier one first:
+  `[2B, ...]` rows, row b the window ending one frame before row B + b's."""
+  out, noisy = _augmented_window_frames(batch, key, aug, rig)
+  B_, k1, J = noisy.shape[:3]
+  k = k1 - 1
+  pair = lambda a: a.reshape((B_, k1) + a.shape[1:])[:, -2:].swapaxes(0, 1).reshape(
+      (2 * B_,) + a.shape[1:])
+  windows_ = jnp.concatenate([noisy[:, :k], noisy[:, 1:]])  # [2B, k, J, 3]
+  return {'positions': pair(out['positions']), 'local_rot': pair(out['local_rot']),
+          'offsets': pair(out['offsets']), 'bone_frames': pair(out['bone_frames']),
+          'input_positions': windows_[:, -1], 'history': windows_[:, :-1]}
+
+
+def _augmented_window_frames(batch: dict, key: jax.Array, aug: Any, rig: Rig):
+  """The k frames of each window sample augmented (`augment_windows`): `augment`'s flat
+  output (`[B * k, ...]`, oldest first per sample) and the noisy frames `[B, k, J, 3]`."""
   B_, J = batch['positions'].shape[:2]
   k = batch['history'].shape[1] + 1
   flat = {
@@ -604,11 +631,7 @@ def augment_windows(batch: dict, key: jax.Array, aug: Any, rig: Rig) -> dict:
       'offsets': jnp.repeat(batch['offsets'], k, axis=0),
       'bone_frames': jnp.repeat(batch['bone_frames'], k, axis=0)}
   out = augment(flat, key, aug, rig, group=k)
-  noisy = temporal_noise(key, out['input_positions'].reshape(B_, k, J, 3), aug, rig)
-  current = lambda a: a.reshape((B_, k) + a.shape[1:])[:, -1]
-  return {'positions': current(out['positions']), 'local_rot': current(out['local_rot']),
-          'offsets': current(out['offsets']), 'bone_frames': current(out['bone_frames']),
-          'input_positions': noisy[:, -1], 'history': noisy[:, :-1]}
+  return out, temporal_noise(key, out['input_positions'].reshape(B_, k, J, 3), aug, rig)
 
 
 def temporal_noise(key: jax.Array, x: jax.Array, aug: Any, rig: Rig,

@@ -42,3 +42,14 @@ def ikgat_loss(pred: jax.Array, batch: dict, rig: Rig, space: str, alpha: float,
                                          root_pos=batch['positions'][:, 0])
   pos_dm = 10.0 * jnp.mean(rotations.safe_norm(pos - batch['positions']), axis=-1)
   return rot + alpha * pos_dm, {'rot_rad': rot, 'pos_dm': pos_dm}
+
+
+def velocity_loss(local: jax.Array, target: jax.Array) -> jax.Array:
+  """Per-pair loss of consecutive frames (issue K, `loss.velocity_weight`): `local` and `target`
+  `[2B, J, 3, 3]` local rotations, rows b and B + b one frame apart (the earlier first); the
+  mean over joints of the angle (radians) between the predicted frame-to-frame change
+  `R_prev^T R_cur` and the true one. Zero for any output that moves as the truth does, whatever
+  its offset: it penalises jitter, not error. Returns `[B]`."""
+  B = local.shape[0] // 2
+  step = lambda r: jnp.swapaxes(r[:B], -1, -2) @ r[B:]
+  return jnp.mean(rotations.geodesic_angle(step(local), step(target)), axis=-1)

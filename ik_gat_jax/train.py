@@ -590,7 +590,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
       ((s, to_global(b, mesh, tc.batch_size)) for s, _, b in input_pipeline.host_batches(
           train_data, tc.batch_size, config.seed, step, tc.steps, jax.process_index(),
           jax.process_count(), end_sites=_wants_end_sites(config),
-          window=inference.window_of(config))), depth=tc.get('prefetch', 2))
+          window=inference.training_window(config))), depth=tc.get('prefetch', 2))
   progress = _Progress(step, pipeline)
   stopper = GracefulStop(log)
   try:

@@ -11,7 +11,9 @@ from ik_gat_jax import evaluation
 from ik_gat_jax import inference
 from ik_gat_jax import input_pipeline
 from ik_gat_jax import kinematics
+from ik_gat_jax import losses
 from ik_gat_jax import model as model_lib
+from ik_gat_jax import rotations
 from ik_gat_jax import train
 from ik_gat_jax import windows
 from ik_gat_jax.skeleton import get_rig
@@ -139,7 +141,7 @@ def test_temporal_noise_parts_have_their_statistics():
 
 
 @pytest.fixture(scope='module')
-def window_solver():
+def window_model():
   config = model_lib.ModelConfig(size='tiny', output_space='mixed', window=K,
                                  heading_canonicalization=True, observed_direction_head=True)
   model = model_lib.create_model(config, RIG, nnx.Rngs(0))
@@ -149,8 +151,13 @@ def window_solver():
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(1), len(leaves))
   leaves = [p + 0.2 * jax.random.normal(kk, p.shape) for p, kk in zip(leaves, keys)]
-  model = nnx.merge(graphdef, jax.tree.unflatten(tree, leaves), rest)
-  return IKSolver(model, {'config': {'model': config.to_dict()}}, block_size=16)
+  return (nnx.merge(graphdef, jax.tree.unflatten(tree, leaves), rest),
+          {'config': {'model': config.to_dict()}})
+
+
+@pytest.fixture(scope='module')
+def window_solver(window_model):
+  return IKSolver(*window_model, block_size=16)
 
 
 def _clip(cmu_shards, n=40):
@@ -184,6 +191,25 @@ def test_window_stream_equals_clip(window_solver, cmu_shards):
   batched = np.concatenate(list(window_solver.solve_stream([clip[:10], clip[10:13], clip[13:]])))
   np.testing.assert_allclose(batched, whole, atol=1e-5)
   window_solver.reset()
+
+
+def test_refined_window_model_is_causal_and_stream_equals_clip(window_model, window_solver,
+                                                              cmu_shards):
+  """The refinement on a window model's stream (issue K): per frame, from the window's solution
+  against that frame's points, so the refined outputs up to t ignore later frames bit for bit and
+  a stream of the frames gives the clip's answer."""
+  refined = IKSolver(*window_model, block_size=16, refine_iters=3)
+  clip = _clip(cmu_shards, 24)
+  whole = refined.solve(clip, check=False)
+  plain = window_solver.solve(clip, check=False)
+  assert np.abs(whole - plain).max() > 1e-3  # the refinement does run
+  later = clip.copy()
+  later[12:] = 1e6
+  np.testing.assert_array_equal(refined.solve(later, check=False)[:12], whole[:12])
+  stream = np.stack([refined.step(f) for f in clip])
+  # Batch 1 against buckets of 16 and 8 (the test above), then 3 iterations of the solver from
+  # there: within 1e-4 (the solver is Lipschitz in its start over 3 small steps).
+  np.testing.assert_allclose(stream, whole, atol=1e-4)
 
 
 def test_window_training_and_evaluation(cmu_shards, tiny_config, tmp_path):
@@ -249,3 +275,66 @@ def test_window_is_in_seconds_at_any_fps(window_solver, cmu_shards):
     window_solver.fps = 30.0
   # Identical windows on the even frames; the batch differs (buckets), hence the tolerance.
   np.testing.assert_allclose(at60[0::2], at30, atol=1e-5)
+
+
+def test_causal_fit_oracle_bounds_every_fixed_smoother(cmu_shards):
+  """experiments.causal_fit: the polynomial weights reproduce their polynomial at the newest
+  frame, and the oracle taps (least squares against the truth on the same noisy windows) are no
+  worse than any fixed smoother of that length on those frames (the bound the doc quotes)."""
+  from experiments import causal_fit
+  t = np.arange(6.0) - 5
+  np.testing.assert_allclose(causal_fit.endpoint_weights(6, 2) @ (1 + 2 * t - 0.5 * t**2), 1.0,
+                             atol=1e-9)
+  ds = data_lib.load_shards(cmu_shards, 'val')
+  clean, win = causal_fit.noisy_windows(ds, 8, 20.0)
+  assert win.shape == (len(clean), 8) + clean.shape[1:]
+  np.testing.assert_array_equal(win[:, -1], evaluation.add_noise(clean, 20.0, 0))
+  sq = lambda w: float(np.square(np.einsum('t,ntjc->njc', w, win) - clean).mean())
+  oracle = sq(causal_fit.oracle_weights(clean, win))
+  fixed = [causal_fit.endpoint_weights(8, d) for d in (0, 1, 2)] + [np.eye(8)[-1]]
+  assert all(oracle <= sq(w) for w in fixed)
+  assert oracle < 0.7 * sq(np.eye(8)[-1])  # well below the raw noise: the taps do smooth
+
+
+def test_velocity_loss_penalises_jitter_not_offsets():
+  """Zero for an output that moves as the truth does (any constant rotation on the parent's
+  side of every frame), positive where consecutive frames change differently."""
+  rng = np.random.default_rng(3)
+  rot = lambda *shape: np.asarray(rotations.matrix_from_axis_angle(
+      rng.normal(size=shape + (3,)).astype(np.float32)))
+  truth, offset = rot(8, RIG.num_joints), rot(RIG.num_joints)
+  np.testing.assert_allclose(losses.velocity_loss(offset @ truth, truth), 0.0, atol=2e-3)
+  shaken = truth.copy()
+  shaken[4:] = rot(4, RIG.num_joints) @ truth[4:]
+  v = np.asarray(losses.velocity_loss(shaken, truth))
+  assert v.shape == (4,) and np.all(v > 0.1)
+
+
+def test_window_pairs_share_their_frames_and_train(cmu_shards, tiny_config):
+  """loss.velocity_weight: each sample is k+1 frames, seen as two windows of k one frame apart
+  with the same noisy frames; the loss is the pair's mean plus the weighted velocity term."""
+  c = tiny_config(cmu_shards, model=dict(window=K, output_space='mixed'))
+  c.loss.velocity_weight = 0.5
+  c.augment.update(noise_mm_max=30.0, bias_mm=10.0, hold_prob=0.1, window_start_prob=0.1)
+  assert inference.training_window(c) == K + 1 and inference.window_of(c) == K
+  data = data_lib.load_shards(cmu_shards, 'train')
+  batch = _window_batch(data, np.arange(100, 106))
+  assert batch['history'].shape[1] == K - 1
+  batch = {k: np.asarray(v) for k, v in
+           input_pipeline.gather_batch(data, np.arange(100, 106), window=K + 1).items()}
+  pairs = input_pipeline.augment_window_pairs(batch, jax.random.key(2), c.augment, RIG)
+  B = 6
+  assert pairs['history'].shape == (2 * B, K - 1, RIG.num_joints, 3)
+  np.testing.assert_array_equal(pairs['history'][B:, :-1], pairs['history'][:B, 1:])
+  np.testing.assert_array_equal(pairs['history'][B:, -1], pairs['input_positions'][:B])
+  plain = ml_collections.ConfigDict({**c.augment.to_dict(), 'mirror': 0.0, 'yaw': False})
+  labels = input_pipeline.augment_window_pairs(batch, jax.random.key(2), plain, RIG)['local_rot']
+  np.testing.assert_array_equal(labels[:B], data.local_rot[99:105])  # the earlier window's
+  np.testing.assert_array_equal(labels[B:], data.local_rot[100:106])
+  model = model_lib.create_model(model_lib.ModelConfig.from_dict(c.model), RIG, nnx.Rngs(0))
+  loss, aux = inference.IKGAT_TASK.loss(model, batch, jax.random.key(2), c, RIG)
+  assert loss.shape == (B,) and np.all(np.asarray(aux['velocity_rad']) > 0)
+  np.testing.assert_allclose(loss, aux['rot_rad'] + c.loss.alpha * aux['pos_dm']
+                             + 0.5 * aux['velocity_rad'], rtol=1e-5)
+  c.loss.velocity_weight = 0.0
+  assert inference.training_window(c) == K

@@ -39,7 +39,10 @@ def get_config() -> ml_collections.ConfigDict:
       # older runs' configs = off): validation, the `best` checkpoint and so every model loaded
       # from the run use the average; `latest` keeps both for resuming.
       ema_decay=0.0))
-  c.loss = ml_collections.ConfigDict(dict(alpha=0.1, distill_weight=1.0))
+  # velocity_weight (issue K, window models; 0 = off): each sample is two consecutive windows
+  # and the loss adds this x the mean angle between the predicted and the true frame-to-frame
+  # change of the local rotations (losses.velocity_loss: a jitter penalty).
+  c.loss = ml_collections.ConfigDict(dict(alpha=0.1, distill_weight=1.0, velocity_weight=0.0))
   c.augment = ml_collections.ConfigDict(dict(yaw=True, mirror=0.5, bone_scale=0.07,
                                              noise_mm=0.0))
   # Sparse inputs (G2; 0 = off; input_pipeline.sample_input_masks): per-frame joint dropout
