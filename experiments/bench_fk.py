@@ -47,8 +47,14 @@ def forward_kinematics_by_depth(local_rot: jax.Array, offsets: jax.Array,
   return G, p
 
 
-_BATCH = flags.DEFINE_integer('batch', 16384, 'Frames per call.')
-_REPEATS = flags.DEFINE_integer('repeats', 20, 'Timed calls per variant.')
+_BATCH = _REPEATS = None  # set by define_flags()
+
+
+def define_flags() -> None:
+  """The main's flags, defined only when it runs (tests import its FK variants)."""
+  global _BATCH, _REPEATS
+  _BATCH = flags.DEFINE_integer('batch', 16384, 'Frames per call.')
+  _REPEATS = flags.DEFINE_integer('repeats', 20, 'Timed calls per variant.')
 
 
 def _median_ms(fn, *args) -> float:
@@ -81,4 +87,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

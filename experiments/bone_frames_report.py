@@ -15,8 +15,15 @@ from experiments.common import fail_on_user_error
 from ik_gat_jax import bone_frames, data, plots
 from ik_gat_jax.io import atomic
 
-_DATA = flags.DEFINE_string('data', None, 'Shard directory.')
-_OUT = flags.DEFINE_string('output_dir', 'outputs/bone_frames', 'Where the PNGs go.')
+_DATA = _OUT = None  # set by define_flags()
+
+
+def define_flags() -> None:
+  """The main's flags, defined only when it runs (tests import `subject_report` beside other
+  mains that claim --data)."""
+  global _DATA, _OUT
+  _DATA = flags.DEFINE_string('data', None, 'Shard directory.')
+  _OUT = flags.DEFINE_string('output_dir', 'outputs/bone_frames', 'Where the PNGs go.')
 
 
 def frame_angles_deg(B: np.ndarray, B_ref: np.ndarray) -> np.ndarray:
@@ -60,6 +67,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   # Marked here, not at import: importing a main (tests do) must not make its flags
   # required for every other absl program in the same process.
   flags.mark_flags_as_required(['data'])

@@ -29,15 +29,22 @@ from experiments.common import fail_on_user_error
 from ik_gat_jax import data, evaluation, windows
 from ik_gat_jax.io import atomic
 
-_DATA = flags.DEFINE_string('data', None, 'Shard directory.')
-_SPLIT = flags.DEFINE_string('split', 'val', 'Split (choose on val).')
-_CKPT = flags.DEFINE_string('checkpoint', None, 'Per-frame IK-GAT (default: shipped).')
-_NOISE = flags.DEFINE_list('noise_mm', ['0', '20'], 'Input noise levels (mm).')
-_FITS = flags.DEFINE_list('fits', ['1:0', '4:1', '8:1', '12:1', '16:1', '16:2', '24:2'],
-                          'Window frames k : polynomial degree d.')
-_ORACLE = flags.DEFINE_list('oracle', [], 'Window frames k of the oracle linear smoother (taps '
-                            'fit to the split\'s own truth: a bound, module docstring).')
-_OUTPUT = flags.DEFINE_string('output_json', None, 'Write the rows here too.')
+_DATA = _SPLIT = _CKPT = _NOISE = _FITS = _ORACLE = _OUTPUT = None  # set by define_flags()
+
+
+def define_flags() -> None:
+  """The main's flags, defined only when it runs (tests import the functions beside other
+  mains that claim --data)."""
+  global _DATA, _SPLIT, _CKPT, _NOISE, _FITS, _ORACLE, _OUTPUT
+  _DATA = flags.DEFINE_string('data', None, 'Shard directory.')
+  _SPLIT = flags.DEFINE_string('split', 'val', 'Split (choose on val).')
+  _CKPT = flags.DEFINE_string('checkpoint', None, 'Per-frame IK-GAT (default: shipped).')
+  _NOISE = flags.DEFINE_list('noise_mm', ['0', '20'], 'Input noise levels (mm).')
+  _FITS = flags.DEFINE_list('fits', ['1:0', '4:1', '8:1', '12:1', '16:1', '16:2', '24:2'],
+                            'Window frames k : polynomial degree d.')
+  _ORACLE = flags.DEFINE_list('oracle', [], 'Window frames k of the oracle linear smoother (taps '
+                              'fit to the split\'s own truth: a bound, module docstring).')
+  _OUTPUT = flags.DEFINE_string('output_json', None, 'Write the rows here too.')
 
 
 def endpoint_weights(k: int, degree: int) -> np.ndarray:
@@ -116,5 +123,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   flags.mark_flags_as_required(['data'])
   app.run(main)
