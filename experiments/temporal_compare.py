@@ -3,7 +3,7 @@
   python -m experiments.temporal_compare --data=/tmp/cmu --split=test \
       [--per_frame=checkpoints/ikgat_base] [--temporal=checkpoints/ikgat_temporal] \
       [--noise_mm=0,10,20,30] [--no_iterative] [--latency_calls=2000] [--refine_iters=50] \
-      --output_dir=DIR
+      [--temporal_filters=MIN_CUTOFF:BETA[:D_CUTOFF],...] --output_dir=DIR
 
 Methods, every one on the same noisy frames (`evaluation.evaluate`, i.i.d. Gaussian noise per
 coordinate, seed 0): the per-frame IK-GAT, the same with the causal One-Euro filter at its val
@@ -11,9 +11,10 @@ choice (docs/benchmarks/temporal.md: 1.5 Hz, beta 0.5, d_cutoff 1 Hz), the tempo
 IK-GAT, and the iterative solver (+ prior, 100 iterations, cold); with `refine_iters` > 0 (the
 default, 50) also both IK-GAT models at their most accurate, mirror-averaged and refined with the
 pose prior (`--mirror --refine_iters=50` in `experiments.evaluate`: each frame's solution refined
-against that frame's points, so the window model's stays causal). Columns: local rotation error,
-MPJPE (FK of the output on the true offsets), jitter / ground truth's, and the input's own
-MPJPE. Then `IKSolver.step` latency (median and p99 ms over `latency_calls` calls, one stream) of
+against that frame's points, so the window model's stays causal); each `--temporal_filters`
+setting adds the temporal model's most accurate row again behind that causal One-Euro filter
+(choose it on val). Columns: local rotation error, MPJPE (FK of the output on the true
+offsets), jitter / ground truth's, and the input's own MPJPE. Then `IKSolver.step` latency (median and p99 ms over `latency_calls` calls, one stream) of
 every IK-GAT variant. Pin the process to one core for the latency the issue asks for:
 `taskset -c 0 python -m experiments.temporal_compare ...` (the JSON records the cores it had).
 Writes DIR/temporal_compare.json and DIR/temporal_compare.md (atomically).
@@ -43,6 +44,9 @@ _MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate at most this ma
 _CALLS = flags.DEFINE_integer('latency_calls', 2000, 'step() calls per latency measurement.')
 _REFINE = flags.DEFINE_integer('refine_iters', 50, 'Also both IK-GAT models mirror-averaged and '
                                'refined with this many iterations and the pose prior (0: not).')
+_FILTERS = flags.DEFINE_list('temporal_filters', [], 'One-Euro settings MIN_CUTOFF:BETA[:D_CUTOFF] '
+                             '(Hz, Hz per rad/s, Hz; d_cutoff 1 by default) on the temporal '
+                             'model\'s most accurate row (mirror + refine), each its own row.')
 _OUTPUT = flags.DEFINE_string('output_dir', None, 'Output directory.')
 
 ONE_EURO = temporal.FilterConfig(kind='one_euro', min_cutoff=1.5, beta=0.5, d_cutoff=1.0)
@@ -55,6 +59,18 @@ def input_mpjpe_mm(ds, idx: np.ndarray, noise_mm: float) -> float:
   clean = np.asarray(ds.positions[idx])
   noisy = evaluation.add_noise(clean, noise_mm, 0)
   return float(1e3 * np.linalg.norm(noisy - clean, axis=-1)[:, 1:].mean())
+
+
+def parse_filter(spec: str) -> temporal.FilterConfig:
+  """`'3:0.5'` or `'3:0.5:2'` -> the One-Euro `FilterConfig` (min_cutoff, beta, d_cutoff)."""
+  parts = spec.split(':')
+  try:
+    values = [float(x) for x in parts]
+  except ValueError:
+    values = []
+  if len(values) not in (2, 3):
+    raise ValueError(f'--temporal_filters: expected MIN_CUTOFF:BETA[:D_CUTOFF], got {spec!r}')
+  return temporal.FilterConfig('one_euro', *values)
 
 
 def markdown(rows: list[dict], latency: dict) -> str:
@@ -95,6 +111,12 @@ def main(argv):
       methods[name] = (evaluation.make_method('ikgat', rig, checkpoint=path, refine=refine,
                                               mirror=True), temporal.FilterConfig())
       best[name] = (path, {'mirror': True, 'refine_iters': n})
+  for filt in (parse_filter(f) for f in _FILTERS.value):
+    base_name = f'IK-GAT temporal + mirror + refine{n}' if n > 0 else 'IK-GAT temporal'
+    name = (f'{base_name} + One-Euro {filt.min_cutoff:g} Hz, beta {filt.beta:g}, '
+            f'd {filt.d_cutoff:g} Hz')
+    methods[name] = (methods[base_name][0], filt)
+    best[name] = (temporal_ckpt, {**best.get(base_name, (None, {}))[1], 'temporal_filter': filt})
   if _ITERATIVE.value:
     methods['iterative + prior, 100 it, cold'] = (
         evaluation.make_method('iterative', rig, prior=_PRIOR.value), temporal.FilterConfig())
@@ -111,7 +133,7 @@ def main(argv):
              'per_part': {p: v['local_rot_err_deg'] for p, v in r['per_part'].items()}}
       rows.append(row)
       results[f'{name} @ {noise:g} mm'] = r
-      print(f"{noise:4g} mm  {name:34s} {row['local_rot_err_deg']:6.2f} deg  "
+      print(f"{noise:4g} mm  {name:36s} {row['local_rot_err_deg']:6.2f} deg  "
             f"{row['mpjpe_mm']:6.1f} mm (input {base:.1f})  jitter x{row['jitter_ratio']:.2f}",
             flush=True)
   latency = {}
