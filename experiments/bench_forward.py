@@ -5,7 +5,11 @@
 
 Prints median and p99 milliseconds per call and frames/s (compiled; every call waited on with
 `block_until_ready`), XLA's FLOPs per frame and, with --matmul (default), the rate as a share of a
-float32 2048 x 2048 matmul's GFLOP/s measured first in the same process (issue N's 75% target).
+float32 2048 x 2048 matmul's GFLOP/s measured in the same process (issue N's 75% target). With
+`--rounds=R` (default 3) the matmul and every batch size are timed in turn R times, and each
+round's share is of that round's matmul: on a shared host whose matmul rate moves by 30% within
+minutes, the median of the per-round shares is the figure to quote, not one batch's rate over a
+matmul timed minutes earlier.
 No input checks or host conversions: the floor under `IKSolver.step`. `--attention=dense|sparse`
 forces one form of the graph attention (the same function; gat.py) for comparison, and
 `--micro_batch=N` the block size of a batch (`inference.ikgat_infer`; 0: the batch at once;
@@ -35,6 +39,8 @@ _MICRO = flags.DEFINE_integer('micro_batch', None, 'Examples per block of a batc
                               'default: inference.micro_batch_size()).')
 _CALLS = flags.DEFINE_integer('calls', 2000, 'Timed calls per batch size (batch 1; fewer for '
                               'larger batches).')
+_ROUNDS = flags.DEFINE_integer('rounds', 3, 'Times the matmul and every batch size are timed in '
+                               'turn; each round\'s share is of its own matmul.', lower_bound=1)
 
 
 @fail_on_user_error
@@ -53,26 +59,53 @@ def main(argv):
   print(f'IK-GAT ({model.config.size}) forward + local rotations, {jax.default_backend()}, '
         f'{len(jax.devices())} device(s), attention on {_ATTENTION.value}, blocks of '
         f'{inference.micro_batch_size() if _MICRO.value is None else _MICRO.value}')
-  rate = benchmark_suite.matmul_gflops(2048)['gflops_per_s'] if _MATMUL.value else None
-  if rate:
-    print(f'float32 2048 x 2048 matmul: {rate:.1f} GFLOP/s (the % column is of this)')
   cost = whole.lower(jnp.zeros((1, rig.num_joints, 3), jnp.float32)).compile().cost_analysis()
   flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost)['flops'])
-  for b in (int(x) for x in _BATCHES.value):
-    p = jnp.asarray(rig.template().cumsum(0)[None] + 0.05 * rng.normal(size=(b, rig.num_joints,
-                                                                             3)), jnp.float32)
-    jax.block_until_ready(forward(p))
-    times = []
-    for _ in range(max(_CALLS.value // b, 20)):
-      t = time.perf_counter()
-      jax.block_until_ready(forward(p))
-      times.append(time.perf_counter() - t)
-    ms = 1000 * np.asarray(times)
-    fps = b / np.median(ms) * 1000
-    share = f', {100 * fps * flops / 1e9 / rate:.1f}% of the matmul' if rate else ''
-    print(f'batch {b:5d}: median {np.median(ms):.3f} ms, p99 {np.percentile(ms, 99):.3f} ms, '
-          f'{fps:,.0f} frames/s ({flops / 1e6:.2f} MFLOP/frame{share})')
+  batches = [int(x) for x in _BATCHES.value]
+  inputs = {b: jnp.asarray(rig.template().cumsum(0)[None] + 0.05 * rng.normal(
+      size=(b, rig.num_joints, 3)), jnp.float32) for b in batches}
+  for p in inputs.values():
+    jax.block_until_ready(forward(p))  # compile every batch size before any timing
+  rates, times = [], {b: [] for b in batches}
+  for r in range(_ROUNDS.value):
+    if _MATMUL.value:
+      rates.append(benchmark_suite.matmul_gflops(2048)['gflops_per_s'])
+      print(f'round {r + 1}: float32 2048 x 2048 matmul {rates[-1]:.1f} GFLOP/s')
+    for b in batches:
+      ms = time_forward(forward, inputs[b], max(_CALLS.value // b, 20))
+      times[b].append(ms)
+      print(f'round {r + 1}: ' + line(b, ms, flops, rates[-1] if rates else None))
+  if _ROUNDS.value > 1:
+    print(f'median of {_ROUNDS.value} rounds' + (f' (matmul {np.median(rates):.1f} GFLOP/s, '
+                                               f'range {min(rates):.1f}-{max(rates):.1f})'
+                                               if rates else '') + ':')
+    for b in batches:
+      fps = [b / np.median(ms) * 1000 for ms in times[b]]
+      share = ''
+      if rates:
+        shares = [100 * f * flops / 1e9 / g for f, g in zip(fps, rates)]
+        share = (f', {np.median(shares):.1f}% of its round\'s matmul (range '
+                 f'{min(shares):.1f}-{max(shares):.1f}%)')
+      print(f'batch {b:5d}: median {np.median([np.median(ms) for ms in times[b]]):.3f} ms, '
+            f'{np.median(fps):,.0f} frames/s ({flops / 1e6:.2f} MFLOP/frame{share})')
 
+
+def time_forward(forward, p, calls: int) -> np.ndarray:
+  """Milliseconds of `calls` compiled calls, each waited on."""
+  times = []
+  for _ in range(calls):
+    t = time.perf_counter()
+    jax.block_until_ready(forward(p))
+    times.append(time.perf_counter() - t)
+  return 1000 * np.asarray(times)
+
+
+def line(b: int, ms: np.ndarray, flops: float, rate: float | None) -> str:
+  """One batch size's timing: median and p99 ms, frames/s, FLOPs, the share of `rate`."""
+  fps = b / np.median(ms) * 1000
+  share = f', {100 * fps * flops / 1e9 / rate:.1f}% of the matmul' if rate else ''
+  return (f'batch {b:5d}: median {np.median(ms):.3f} ms, p99 {np.percentile(ms, 99):.3f} ms, '
+          f'{fps:,.0f} frames/s ({flops / 1e6:.2f} MFLOP/frame{share})')
 
 if __name__ == '__main__':
   app.run(main)

@@ -564,6 +564,7 @@ class IKSolver:
                                            self._traces, self.refine, self.temporal_filter,
                                            self._fps, self._prior, self.mirror)
                          if self.temporal_filter.active else None)
+    self._stream_execs = {}  # `_stream_step` compiled ahead, per sparse-input signature
     self.window_ratio = self._fps / self.window_fps
     self._history = (windows.StreamHistory(self.window, self.window_ratio)
                      if self.window > 1 else None)
@@ -899,11 +900,24 @@ class IKSolver:
     sparse = self._stream_history(pos) or sparse  # window models take no other sparse input
     if self._stream_step is None:
       return self._step_forward(pos, subject, sparse)
+    return self._step_filtered(pos, subject, sparse)
+
+  def _step_filtered(self, pos: np.ndarray, subject, sparse=None) -> np.ndarray:
+    """`step` with the temporal filter: network and filter in one executable compiled ahead
+    (once per sparse-input signature), the frame and sparse inputs as numpy, the filter state
+    carried as device arrays: 0.2 ms less per frame than through jit's dispatch with
+    `jnp.asarray` first (BENCHMARKS.md, issue N, session 16)."""
     fstate = self._filter_state or temporal.init_state(self.rig.num_joints)
     if sparse is not None:
-      sparse = {k: jnp.asarray(v) for k, v in sparse.items()}
-    self._filter_state, out = self._stream_step(
-        self._leaves, fstate, jnp.asarray(pos, jnp.float32), subject[0], subject[1], sparse)
+      sparse = {k: np.asarray(v, jax.dtypes.canonicalize_dtype(np.asarray(v).dtype))
+                for k, v in sparse.items()}
+    args = (self._leaves, fstate, np.asarray(pos, np.float32), subject[0], subject[1], sparse)
+    key = None if sparse is None else tuple((k, v.shape, v.dtype.str)
+                                            for k, v in sorted(sparse.items()))
+    exe = self._stream_execs.get(key)
+    if exe is None:
+      exe = self._stream_execs[key] = self._stream_step.lower(*args).compile()
+    self._filter_state, out = exe(*args)
     return np.asarray(out)
 
   def _step_forward(self, pos: np.ndarray, subject, sparse=None) -> np.ndarray:

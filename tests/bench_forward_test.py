@@ -1,0 +1,41 @@
+"""experiments/bench_forward.py: the matmul and the network timed in turn, shares per round.
+
+One subprocess run at two batch sizes and two rounds; the summary's share must be the median of
+the rounds' own shares (each of its round's matmul), not a rate over one early matmul.
+"""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+ROUND = re.compile(r'^round (\d+): batch +(\d+): .* ([\d,]+) frames/s .*, ([\d.]+)% of the matmul')
+MATMUL = re.compile(r'^round (\d+): float32 2048 x 2048 matmul ([\d.]+) GFLOP/s')
+SUMMARY = re.compile(r'^batch +(\d+): median .* ([\d.]+)% of its round\'s matmul \(range '
+                     r'([\d.]+)-([\d.]+)%\)')
+
+
+def test_rounds_interleave_matmul_and_network_and_summarise_per_round_shares():
+  cmd = [sys.executable, '-m', 'experiments.bench_forward', '--batches=1,2', '--calls=20',
+         '--rounds=2']
+  done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  lines = done.stdout.splitlines()
+  rates = {int(m[1]): float(m[2]) for m in map(MATMUL.match, lines) if m}
+  shares = {}
+  for m in filter(None, map(ROUND.match, lines)):
+    shares.setdefault(int(m[2]), []).append(float(m[4]))
+  summary = {int(m[1]): (float(m[2]), float(m[3]), float(m[4]))
+             for m in map(SUMMARY.match, lines) if m}
+  assert sorted(rates) == [1, 2] and all(r > 0 for r in rates.values()), done.stdout
+  assert sorted(shares) == sorted(summary) == [1, 2], done.stdout
+  # The matmul of each round comes before that round's batches (interleaved, not once first).
+  order = [l.split(':')[0] for l in lines if l.startswith('round ')]
+  assert order.index('round 2') > order.index('round 1') + 2, done.stdout
+  for b, (median, low, high) in summary.items():
+    assert len(shares[b]) == 2
+    np.testing.assert_allclose(median, np.median(shares[b]), atol=0.11)  # three roundings
+    np.testing.assert_allclose([low, high], [min(shares[b]), max(shares[b])], atol=0.051)
