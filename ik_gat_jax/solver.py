@@ -538,9 +538,9 @@ class IKSolver:
     self.orientation_inputs = tuple(model.config.orientation_inputs)
     self.end_sites = bool(getattr(model.config, 'end_sites', False))
     self._frames_cache: dict[bytes, tuple] = {}
-    self.temporal_filter = (temporal.from_checkpoint_meta(self.meta) if temporal_filter is None
-                            else temporal_filter)
     self._graphdef = graphdef
+    self._temporal_filter = (temporal.from_checkpoint_meta(self.meta) if temporal_filter is None
+                             else temporal_filter)
     # A window model (issue K): each frame with its past frames, 1/window_fps s apart.
     self.window = int(model.config.window)
     self.window_fps = float(model.config.window_fps)
@@ -559,15 +559,32 @@ class IKSolver:
     if not (math.isfinite(value) and value > 0):
       raise InputError(f'fps must be a positive frame rate, got {value}')
     self._fps = float(value)
+    self._new_filter_stream()
+    self.window_ratio = self._fps / self.window_fps
+    self._history = (windows.StreamHistory(self.window, self.window_ratio)
+                     if self.window > 1 else None)
+
+  @property
+  def temporal_filter(self) -> temporal.FilterConfig:
+    """The causal output filter (`temporal.FilterConfig`) of clips and streams. Setting it
+    starts a new filtered stream (`step`, `solve_stream` and `solve` all use the new one)."""
+    return self._temporal_filter
+
+  @temporal_filter.setter
+  def temporal_filter(self, value: temporal.FilterConfig) -> None:
+    if not isinstance(value, temporal.FilterConfig):
+      raise TypeError(f'temporal_filter must be a temporal.FilterConfig, got {type(value)!r}')
+    self._temporal_filter = value
+    self._new_filter_stream()
+
+  def _new_filter_stream(self) -> None:
+    """A fresh filter state and the stream step of the current filter and fps."""
     self._filter_state = None
     self._stream_step = (_make_stream_step(self._graphdef, self._treedef, self.rig,
                                            self._traces, self.refine, self.temporal_filter,
                                            self._fps, self._prior, self.mirror)
                          if self.temporal_filter.active else None)
     self._stream_execs = {}  # `_stream_step` compiled ahead, per sparse-input signature
-    self.window_ratio = self._fps / self.window_fps
-    self._history = (windows.StreamHistory(self.window, self.window_ratio)
-                     if self.window > 1 else None)
 
   @classmethod
   def from_checkpoint(cls, path: str | os.PathLike | None = None, *, offsets=None,

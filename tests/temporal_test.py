@@ -184,6 +184,16 @@ def test_solver_clip_and_stream_filter_on_a_noisy_real_clip(cmu_dir):
   # ... and reset() forgets it: the first frame of a new stream passes through.
   solver.reset()
   np.testing.assert_allclose(solver.step(pos[16], offsets=off), unfiltered_step, atol=1e-6)
+  # Setting the filter starts a new stream with it, `step` included: off, the second frame of
+  # a stream is the network's own; on again, it is filtered toward the first.
+  solver.temporal_filter = temporal.FilterConfig()
+  solver.step(pos[15], offsets=off)
+  np.testing.assert_allclose(solver.step(pos[16], offsets=off), raw[16], atol=1e-5)
+  solver.temporal_filter = ONE_EURO
+  solver.step(pos[15], offsets=off)
+  assert not np.allclose(solver.step(pos[16], offsets=off), raw[16], atol=1e-4)
+  with pytest.raises(TypeError, match='FilterConfig'):
+    solver.temporal_filter = 'one_euro'
 
 
 def test_trainer_validation_logs_jitter_of_whole_clips_only():
