@@ -60,7 +60,8 @@ Temporal filter (issue G3, `temporal.py`). `temporal_filter` (a `temporal.Filter
 the checkpoint config's `temporal` section, none for the shipped checkpoint) smooths the local
 rotations causally at `fps`: `solve` filters each clip from a fresh state (FK outputs recomputed
 from the filtered rotations), while `step` and `solve_stream` carry the filter state from call
-to call, one live stream, until `reset()`.
+to call, one live stream, until `reset()`. Setting `solver.temporal_filter` or `solver.fps`
+starts a new stream with the new setting (`step` included).
 """
 
 from __future__ import annotations
