@@ -107,5 +107,6 @@ def line(b: int, ms: np.ndarray, flops: float, rate: float | None) -> str:
   return (f'batch {b:5d}: median {np.median(ms):.3f} ms, p99 {np.percentile(ms, 99):.3f} ms, '
           f'{fps:,.0f} frames/s ({flops / 1e6:.2f} MFLOP/frame{share})')
 
+
 if __name__ == '__main__':
   app.run(main)

@@ -450,6 +450,15 @@ def _make_stream_step(graphdef, treedef, rig: Rig, counter: list[int], refine,
   return jax.jit(step)
 
 
+def _numpy_inputs(sparse: dict | None) -> dict[str, np.ndarray] | None:
+  """Sparse inputs as numpy in the dtypes JAX would give them (float64 -> float32 unless x64),
+  for a compiled executable's own transfer (faster than `jnp.asarray` first)."""
+  if sparse is None:
+    return None
+  return {k: np.asarray(v, jax.dtypes.canonicalize_dtype(np.asarray(v).dtype))
+          for k, v in sparse.items()}
+
+
 def _refine_prior(prior: str | os.PathLike | None, rig: Rig):
   """The refinement's pose prior model (`IKSolver.from_checkpoint`'s `refine_prior`) or None."""
   if prior is None:
@@ -577,6 +586,7 @@ class IKSolver:
       raise TypeError(f'temporal_filter must be a temporal.FilterConfig, got {type(value)!r}')
     self._temporal_filter = value
     self._new_filter_stream()
+    self.reset()  # a new stream: a window model's past frames too
 
   def _new_filter_stream(self) -> None:
     """A fresh filter state and the stream step of the current filter and fps."""
@@ -752,8 +762,7 @@ class IKSolver:
     pad = lambda a: np.concatenate([a, np.repeat(a[-1:], b - n, axis=0)]) if b > n else a
     pos = pad(pos)
     if sparse is not None:  # numpy into the executable: its own transfer (~0.1 ms less per call)
-      sparse = {k: np.asarray(pad(v), jax.dtypes.canonicalize_dtype(np.asarray(v).dtype))
-                for k, v in sparse.items()}
+      sparse = _numpy_inputs({k: pad(v) for k, v in sparse.items()})
     off, B, _ = subject
     args = (self._leaves, np.asarray(pos, np.float32), off, B, sparse)
     out = self._executable(full, args)(*args)
@@ -923,12 +932,10 @@ class IKSolver:
   def _step_filtered(self, pos: np.ndarray, subject, sparse=None) -> np.ndarray:
     """`step` with the temporal filter: network and filter in one executable compiled ahead
     (once per sparse-input signature), the frame and sparse inputs as numpy, the filter state
-    carried as device arrays: 0.2 ms less per frame than through jit's dispatch with
-    `jnp.asarray` first (BENCHMARKS.md, issue N, session 16)."""
+    carried as device arrays: pinned, 0.29-0.30 ms a frame against 0.34-0.42 through jit's
+    dispatch with `jnp.asarray` first (BENCHMARKS.md, issue N, session 16)."""
     fstate = self._filter_state or temporal.init_state(self.rig.num_joints)
-    if sparse is not None:
-      sparse = {k: np.asarray(v, jax.dtypes.canonicalize_dtype(np.asarray(v).dtype))
-                for k, v in sparse.items()}
+    sparse = _numpy_inputs(sparse)
     args = (self._leaves, fstate, np.asarray(pos, np.float32), subject[0], subject[1], sparse)
     key = None if sparse is None else tuple((k, v.shape, v.dtype.str)
                                             for k, v in sorted(sparse.items()))
@@ -947,8 +954,7 @@ class IKSolver:
     off, B, _ = subject
     x = np.asarray(pos, np.float32)
     if sparse is not None:  # a window model's history, or one frame's sparse inputs
-      sparse = {k: np.asarray(v, jax.dtypes.canonicalize_dtype(np.asarray(v).dtype))
-                for k, v in sparse.items()}
+      sparse = _numpy_inputs(sparse)
       args = (self._leaves, x, off, B, sparse)
       return np.asarray(self._executable(False, args)(*args)['local_rot'])[0]
     if self._step_exec is None:
