@@ -13,9 +13,13 @@ matmul timed minutes earlier.
 No input checks or host conversions: the floor under `IKSolver.step`. `--attention=dense|sparse`
 forces one form of the graph attention (the same function; gat.py) for comparison, and
 `--micro_batch=N` the block size of a batch (`inference.ikgat_infer`; 0: the batch at once;
-default: the backend's, 64 on the CPU).
+default: the backend's, 64 on the CPU). `--threads=N` splits each batch into N equal parts run
+at once by N threads on the same executable, as the solver's clip path runs its chunks
+(`solver.default_workers()`; a batch that N does not divide runs whole): XLA's CPU runtime runs
+one executable's many small kernels one after another, so two at once use two cores better.
 """
 
+import concurrent.futures
 import time
 
 from absl import app, flags
@@ -39,6 +43,9 @@ _MICRO = flags.DEFINE_integer('micro_batch', None, 'Examples per block of a batc
                               'default: inference.micro_batch_size()).')
 _CALLS = flags.DEFINE_integer('calls', 2000, 'Timed calls per batch size (batch 1; fewer for '
                               'larger batches).')
+_THREADS = flags.DEFINE_integer('threads', 1, 'Threads per batch, each running an equal part of it '
+                                'at once (the solver\'s workers); 1: the batch in one call.',
+                                lower_bound=1)
 _ROUNDS = flags.DEFINE_integer('rounds', 3, 'Times the matmul and every batch size are timed in '
                                'turn; each round\'s share is of its own matmul.', lower_bound=1)
 
@@ -50,20 +57,30 @@ def main(argv):
   rig = model.rig
   gat.set_form(model, _ATTENTION.value)
   B = bone_frames.bone_frames(jnp.asarray(rig.template(), jnp.float32), rig)[None]
-  forward = jax.jit(lambda p: inference.ikgat_infer(model, {'positions': p, 'bone_frames': B},
-                                                    micro_batch=_MICRO.value))
+  jitted = jax.jit(lambda p: inference.ikgat_infer(model, {'positions': p, 'bone_frames': B},
+                                                   micro_batch=_MICRO.value))
+  pool = concurrent.futures.ThreadPoolExecutor(_THREADS.value)
+
+  def forward(parts):  # one part: a plain call; several: at once, one thread each
+    return jitted(parts[0]) if len(parts) == 1 else list(pool.map(jitted, parts))
+
   # FLOPs from the network unblocked at batch 1: XLA counts a blocked batch's loop body once.
   whole = jax.jit(lambda p: inference.ikgat_infer(model, {'positions': p, 'bone_frames': B},
                                                   micro_batch=0))
   rng = np.random.default_rng(0)
   print(f'IK-GAT ({model.config.size}) forward + local rotations, {jax.default_backend()}, '
         f'{len(jax.devices())} device(s), attention on {_ATTENTION.value}, blocks of '
-        f'{inference.micro_batch_size() if _MICRO.value is None else _MICRO.value}')
+        f'{inference.micro_batch_size() if _MICRO.value is None else _MICRO.value}, '
+        f'{_THREADS.value} thread(s) per batch')
   cost = whole.lower(jnp.zeros((1, rig.num_joints, 3), jnp.float32)).compile().cost_analysis()
   flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost)['flops'])
   batches = [int(x) for x in _BATCHES.value]
-  inputs = {b: jnp.asarray(rig.template().cumsum(0)[None] + 0.05 * rng.normal(
-      size=(b, rig.num_joints, 3)), jnp.float32) for b in batches}
+  inputs = {}
+  for b in batches:
+    p = jnp.asarray(rig.template().cumsum(0)[None] + 0.05 * rng.normal(
+        size=(b, rig.num_joints, 3)), jnp.float32)
+    k = _THREADS.value if b % _THREADS.value == 0 else 1
+    inputs[b] = tuple(jnp.split(p, k))
   for p in inputs.values():
     jax.block_until_ready(forward(p))  # compile every batch size before any timing
   rates, times = [], {b: [] for b in batches}

@@ -124,6 +124,15 @@ NOISE_LEVEL_SCALE = 10.0  # noise_level_input: the mean |log length ratio| of mi
 _IDENTITY_6D = (1.0, 0.0, 0.0, 0.0, 1.0, 0.0)
 
 
+def elu(x: jax.Array) -> jax.Array:
+  """ELU (alpha 1) as `exp(min(x, 0)) - 1` below 0 instead of `jax.nn.elu`'s `expm1`: XLA's CPU
+  backend evaluates expm1 about 2x slower than exp, which made the base network's three ELUs
+  ~7% of a batched forward (BENCHMARKS.md, issue N session 17). The same function within 1.2e-7
+  absolute (exp's round-off near 1; tests/model_test.py), the same gradient (exp(x) at x <= 0);
+  exp sees 0 where x > 0, so the unselected branch never overflows into a NaN gradient."""
+  return jnp.where(x > 0, x, jnp.exp(jnp.where(x > 0, 0.0, x)) - 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Every model choice in one frozen (hashable, JSON-able) record; see the module docstring.
@@ -285,7 +294,7 @@ class Block(nnx.Module):
     a = self.attn(h, training=not deterministic)
     if self.pool is not None:
       a = a + self.pool(jnp.mean(h, axis=-2, keepdims=True))
-    h = self.norm(h + self.dropout(nnx.elu(a), deterministic=deterministic))
+    h = self.norm(h + self.dropout(elu(a), deterministic=deterministic))
     if self.ffn_in is not None:
       f = self.ffn_out(nnx.gelu(self.ffn_in(h)))
       h = self.ffn_norm(h + self.dropout(f, deterministic=deterministic))
@@ -316,7 +325,7 @@ class GraphNet(nnx.Module):
     h = h0
     for block in self.blocks:
       h = block(h, deterministic=deterministic)
-    f = nnx.elu(self.head_hidden(h + h0))  # global shortcut: + h0
+    f = elu(self.head_hidden(h + h0))  # global shortcut: + h0
     if self.extra_out is None:
       return self.head_out(f)
     return jnp.concatenate([self.head_out(f), self.extra_out(f)], axis=-1)
@@ -337,7 +346,7 @@ class MLPNet(nnx.Module):
     """-> `[B, J, 6]`, or `[B, J, 6 + extra_out]` (the 6D, then the extra logits)."""
     h = x.reshape(x.shape[0], -1)
     for layer in self.layers:
-      h = self.dropout(nnx.elu(layer(h)), deterministic=deterministic)
+      h = self.dropout(elu(layer(h)), deterministic=deterministic)
     sixd = self.out(h).reshape(*x.shape[:-1], 6)
     if self.extra_out is None:
       return sixd

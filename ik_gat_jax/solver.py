@@ -25,9 +25,12 @@ Compilation. One jitted forward (model merged, deterministic) over `[b, J, 3]` w
 1, 2, 4, ... up to `block_size` (a power-of-two ladder, ending at `block_size`). A batch is
 padded (by repeating its last frame) to its bucket, so a live stream of single frames or small
 batches compiles at most once per bucket. Clips longer than `block_size` run in chunks of
-`block_size` (device memory bounded by one block) with a progress bar on stderr; the last chunk
-goes to its own bucket when that is compiled already, else it is padded to a whole block, so a
-long clip never compiles a second shape (0.3 s from the persistent cache, seconds without).
+`block_size` (device memory bounded by `workers` blocks) with a progress bar on stderr; the last
+chunk goes to its own bucket when that is compiled already, else it is padded to a whole chunk,
+so a long clip never compiles a second shape (0.3 s from the persistent cache, seconds without).
+On the CPU, `workers` threads (`default_workers()`: the usable cores, up to MAX_WORKERS) run
+chunks at once, and a clip shorter than workers x block_size is cut into one chunk per worker
+(a bucket, at least one block of the network): the same outputs, 1.3x the frames/s on 2 cores.
 Each shape is compiled ahead (`lower().compile()`) once per solver; after the command line's
 `compile_cache.enable()`, a shape compiled by an earlier run is loaded whole from the
 executable cache (compile_cache.py), neither traced nor lowered.
@@ -66,6 +69,7 @@ starts a new stream with the new setting (`step` included).
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import math
@@ -99,6 +103,8 @@ from ik_gat_jax.io.units import UNITS, parse_units  # noqa: F401  (also solver.p
 from ik_gat_jax.skeleton import Rig, RigError, get_rig, rest_positions_np
 
 DEFAULT_BLOCK = 1024
+# Most threads `default_workers` gives a clip's chunks (measured on 2 cores only; BENCHMARKS.md).
+MAX_WORKERS = 4
 # Signed axis maps of common engines onto a right-handed, y-up, z-forward, x-left world (the
 # built-in rigs' world): Unity is y-up, z-forward, left-handed (x = the body's right);
 # Unreal is z-up, x-forward, y-right, left-handed (and in centimetres: --units=cm).
@@ -394,6 +400,21 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
   return next(b for b in buckets if b >= n)
 
 
+def default_workers() -> int:
+  """Threads that run a clip's chunks at once: on the CPU backend the cores this process may run
+  on (`os.sched_getaffinity`; 1 under `taskset -c 0`), at most MAX_WORKERS; 1 on accelerators.
+  XLA's CPU runtime spreads one executable's kernels over the cores poorly (a block's hundred
+  small kernels run one after another), so two chunks at once on two cores solve a batch 1.3x
+  faster than one chunk using both (BENCHMARKS.md, issue N session 17)."""
+  if jax.default_backend() != 'cpu':
+    return 1
+  try:
+    cores = len(os.sched_getaffinity(0))
+  except (AttributeError, OSError):  # not Linux
+    cores = os.cpu_count() or 1
+  return max(1, min(cores, MAX_WORKERS))
+
+
 def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None, prior=None,
                   mirror: bool = False):
   """jit((state leaves, positions [b, J, 3], offsets [J, 3], B [J, 3, 3]), full static) -> dict.
@@ -481,6 +502,13 @@ _fk_jit = jax.jit(lambda local, off, root, rig: kinematics.forward_kinematics(
     local, off, rig.parents, root_pos=root), static_argnums=3)
 
 
+def _execute(job: tuple) -> dict[str, np.ndarray]:
+  """Runs one `IKSolver._chunk_job`: its outputs as numpy, trimmed to its n frames (thread-safe:
+  the executable is compiled, and XLA releases the GIL while it runs)."""
+  exe, args, n = job
+  return {k: np.asarray(v)[:n] for k, v in exe(*args).items()}
+
+
 class _ProgressBar:
   """A carriage-return bar on stderr: frames done, percent, frames/s."""
 
@@ -515,7 +543,8 @@ class IKSolver:
   def __init__(self, model, meta: dict | None = None, *, offsets=None,
                block_size: int = DEFAULT_BLOCK, source: str | None = None,
                refine_iters: int = 0, temporal_filter: temporal.FilterConfig | None = None,
-               fps: float = 30.0, refine_prior=None, mirror: bool = False):
+               fps: float = 30.0, refine_prior=None, mirror: bool = False,
+               workers: int | None = None):
     self.rig: Rig = model.rig
     self.mirror = bool(mirror)
     if self.mirror:  # a rig that cannot be mirrored: refused here, not at the first solve
@@ -527,6 +556,11 @@ class IKSolver:
     self.source = source
     self.block_size = int(block_size)
     self.buckets = bucket_sizes(self.block_size)
+    if workers is not None and (isinstance(workers, bool) or int(workers) != workers
+                                or workers < 1):
+      raise InputError(f'workers must be a whole number >= 1, got {workers!r}')
+    # Threads for a clip's chunks (`_solve_chunks`); None: `default_workers()`.
+    self.workers = default_workers() if workers is None else int(workers)
     self.offsets = (check_offsets(offsets, self.rig) if offsets is not None
                     else self._template_offsets())
     graphdef, state = nnx.split(model)
@@ -606,7 +640,7 @@ class IKSolver:
                       temporal_filter: temporal.FilterConfig | None = None,
                       fps: float = 30.0, attention: str = 'dense',
                       refine_prior: str | os.PathLike | None = 'shipped',
-                      mirror: bool = False) -> 'IKSolver':
+                      mirror: bool = False, workers: int | None = None) -> 'IKSolver':
     """Loads a run directory or checkpoint (None: `inference.SHIPPED_IKGAT`).
 
     `offsets [J, 3]` (metres) or `offsets_from` (a BVH: its rest offsets reduced to the rig,
@@ -628,6 +662,8 @@ class IKSolver:
     same function): 'dense', or 'auto', the sparse form from 16 frames on: 1.3x the clip
     path's frames/s once compiled, for a compile 1.3x as long and more tracing, so a program
     that solves many clips gains and a one-clip run does not (BENCHMARKS.md "Blocks").
+    `workers`: threads that solve a clip's chunks at once (None: `default_workers()`, the
+    usable CPU cores up to MAX_WORKERS, 1 on accelerators; the outputs do not depend on it).
     """
     if offsets is not None and offsets_from is not None:  # before the (slow) model load
       raise InputError('give offsets or offsets_from, not both')
@@ -647,7 +683,7 @@ class IKSolver:
     prior = _refine_prior(refine_prior, model.rig) if refine_iters > 0 else None
     return cls(model, meta, offsets=offsets, block_size=block_size, source=str(path),
                refine_iters=refine_iters, temporal_filter=temporal_filter, fps=fps,
-               refine_prior=prior, mirror=mirror)
+               refine_prior=prior, mirror=mirror, workers=workers)
 
   # -- offsets ------------------------------------------------------------------------------
 
@@ -756,6 +792,13 @@ class IKSolver:
            bucket: int | None = None) -> dict[str, np.ndarray]:
     """One chunk `[n <= block, J, 3]` through its bucket (or `bucket`); outputs trimmed to n,
     numpy."""
+    return _execute(self._chunk_job(pos, subject, full, sparse, bucket))
+
+  def _chunk_job(self, pos: np.ndarray, subject, full: bool,
+                 sparse: dict[str, np.ndarray] | None = None,
+                 bucket: int | None = None) -> tuple:
+    """(executable, arguments, n) of one chunk, compiled or loaded here (in the calling thread,
+    so chunks run by several threads never compile the same shape twice); `_execute` runs it."""
     n = pos.shape[0]
     b = bucket or bucket_for(n, self.buckets)
     self._compiled.add(self._signature(b, full, sparse))
@@ -765,8 +808,7 @@ class IKSolver:
       sparse = _numpy_inputs({k: pad(v) for k, v in sparse.items()})
     off, B, _ = subject
     args = (self._leaves, np.asarray(pos, np.float32), off, B, sparse)
-    out = self._executable(full, args)(*args)
-    return {k: np.asarray(v)[:n] for k, v in out.items()}
+    return self._executable(full, args), args, n
 
   def _executable(self, full: bool, args: tuple):
     """The forward compiled ahead (`lower().compile()`) for `args` = (leaves, positions,
@@ -844,21 +886,39 @@ class IKSolver:
       shapes.update(global_rot=(J, 3, 3), bone_aligned_rot=(J, 3, 3), positions_fk=(J, 3))
     out = {k: np.empty((T,) + s, np.float32) for k, s in shapes.items()}
     bar = _ProgressBar(T, T > self.block_size if progress is None else progress)
-    for start in range(0, T, self.block_size):
-      part = None if sparse is None else {
-          k: v[start:start + self.block_size] for k, v in sparse.items()}
-      n = min(self.block_size, T - start)
-      # A long clip's last chunk: its own bucket only when compiled already, else a whole block
+    size = self._chunk_size(T)
+    starts = range(0, T, size)
+    jobs = []
+    for start in starts:
+      part = None if sparse is None else {k: v[start:start + size] for k, v in sparse.items()}
+      n = min(size, T - start)
+      # A long clip's last chunk: its own bucket only when compiled already, else a whole chunk
       # (another shape would trace, lower and compile: 0.3 s even from the persistent cache).
       bucket = None
-      if T > self.block_size and self._signature(bucket_for(n, self.buckets), full,
-                                                 part) not in self._compiled:
-        bucket = self.block_size
-      chunk = self._run(pos[start:start + n], subject, full, part, bucket)
-      for k, v in chunk.items():
-        out[k][start:start + len(v)] = v
-      bar.update(min(start + self.block_size, T))
+      if T > size and self._signature(bucket_for(n, self.buckets), full,
+                                      part) not in self._compiled:
+        bucket = size
+      jobs.append(self._chunk_job(pos[start:start + n], subject, full, part, bucket))
+    workers = min(self.workers, len(jobs))
+    pool = concurrent.futures.ThreadPoolExecutor(workers) if workers > 1 else None
+    try:
+      for start, chunk in zip(starts, pool.map(_execute, jobs) if pool else map(_execute, jobs)):
+        for k, v in chunk.items():  # in order
+          out[k][start:start + len(v)] = v
+        bar.update(min(start + size, T))
+    finally:
+      if pool is not None:
+        pool.shutdown(cancel_futures=True)
     return out
+
+  def _chunk_size(self, T: int) -> int:
+    """Frames per chunk of a T-frame clip: `block_size`, or with several workers the bucket
+    that gives each worker a chunk (at least one block of the network, `micro_batch_size()`),
+    so a clip shorter than workers x block_size still runs on every core."""
+    mb = inference.micro_batch_size()
+    if self.workers <= 1 or not mb or T < 2 * mb or T >= self.workers * self.block_size:
+      return self.block_size
+    return bucket_for(max(-(-T // self.workers), mb), self.buckets)
 
   def _filter_clip(self, out: dict[str, np.ndarray], pos: np.ndarray,
                    subject) -> dict[str, np.ndarray]:

@@ -294,3 +294,15 @@ def test_hip_pair_is_left_then_right():
   x = jnp.asarray(skeleton.rest_positions_np(RIG.template(), RIG.parents), jnp.float32)[None]
   np.testing.assert_allclose(model.heading_rotation(x, RIG, model.hip_pair(RIG))[0], np.eye(3),
                              atol=1e-6)
+
+
+def test_elu_is_jax_elu_with_a_finite_gradient():
+  """model.elu (exp - 1, faster on the CPU than expm1) is jax.nn.elu within exp's round-off near
+  1, and its gradient is jax.nn.elu's: finite for large inputs, whose exp would overflow."""
+  x = jnp.concatenate([jnp.linspace(-30.0, 30.0, 20001, dtype=jnp.float32),
+                       jnp.asarray([-1e-30, 0.0, 1e-30, 100.0, 1e30], jnp.float32)])
+  np.testing.assert_allclose(model.elu(x), jax.nn.elu(x), rtol=0, atol=2.5e-7)
+  assert np.all(np.asarray(model.elu(x)) >= -1.0)
+  g = jax.vmap(jax.grad(model.elu))(x)
+  assert np.all(np.isfinite(g))
+  np.testing.assert_allclose(g, jax.vmap(jax.grad(jax.nn.elu))(x), rtol=1e-6, atol=1e-7)

@@ -317,6 +317,30 @@ def test_long_clip_in_chunks_with_progress(tmp_path_factory, solver):
   assert small.trace_count == 2  # no new shape either way
 
 
+def test_workers_solve_the_same_frames_in_order(tmp_path_factory):
+  """Chunks run by two threads at once give every frame the one-thread solution, in order: a
+  clip shorter than workers x block_size cut into one chunk per worker, and more chunks than
+  workers; a bad worker count is refused."""
+  ckpt = tiny_checkpoint(tmp_path_factory)
+  one = IKSolver.from_checkpoint(ckpt, workers=1)
+  two = IKSolver.from_checkpoint(ckpt, workers=2)
+  assert one.workers == 1 and two.workers == 2
+  assert solver_lib.default_workers() >= 1
+  mb = inference.micro_batch_size()
+  T = 5 * mb  # cut in two chunks of 4 blocks each, the second padded
+  assert one._chunk_size(T) == 1024 and two._chunk_size(T) == 4 * mb
+  assert two._chunk_size(mb) == 1024  # too short to share
+  pos = posed_clip(one.rig, one.offsets, T=T, seed=3, scale=0.3)
+  a, b = one.solve(pos, full=True, progress=False), two.solve(pos, full=True, progress=False)
+  for k in ('local_rot', 'global_rot', 'positions_fk'):
+    np.testing.assert_allclose(getattr(b, k), getattr(a, k), atol=2e-5)
+  three = IKSolver.from_checkpoint(ckpt, workers=2, block_size=mb)  # 5 chunks for 2 threads
+  np.testing.assert_allclose(three.solve(pos, progress=False), a.local_rot, atol=2e-5)
+  for bad in (0, -1, 1.5, True):
+    with pytest.raises(InputError, match='workers'):
+      IKSolver.from_checkpoint(ckpt, workers=bad)
+
+
 def test_smpl_export(tmp_path_factory, tmp_path, solver):
   smpl = get_solver(tmp_path_factory, 'smpl22')
   sol = smpl.solve(posed_clip(smpl.rig, smpl.offsets, T=4), full=True)
