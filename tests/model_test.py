@@ -306,3 +306,22 @@ def test_elu_is_jax_elu_with_a_finite_gradient():
   g = jax.vmap(jax.grad(model.elu))(x)
   assert np.all(np.isfinite(g))
   np.testing.assert_allclose(g, jax.vmap(jax.grad(jax.nn.elu))(x), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize('name', ['default', 'distill', 'fast', 'temporal', 'test'])
+def test_named_training_configs_build(name):
+  """Each IK-GAT config of experiments/configs builds its model (abstractly), and a distilled
+  one names a teacher that is there: a config with a typo fails here, not an hour into a run."""
+  import importlib
+  from pathlib import Path
+  from ik_gat_jax import inference
+  config = importlib.import_module(f'experiments.configs.{name}').get_config()
+  _, params, _, _ = inference.abstract_model(config, RIG)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  mc = model.ModelConfig.from_dict(config.model.to_dict())
+  assert n > 0 and mc.dims[1] >= 1
+  teacher = config.train.get('distill_from')
+  if teacher:
+    assert (Path(__file__).resolve().parents[1] / teacher).is_dir(), teacher
+  if name == 'fast':  # fewer, wider layers: 2 blocks of 192, about the distilled 160's size
+    assert mc.dims[:2] == (192, 2) and 90_000 < n < 130_000, (mc.dims, n)
