@@ -125,7 +125,7 @@ _IDENTITY_6D = (1.0, 0.0, 0.0, 0.0, 1.0, 0.0)
 
 
 def elu(x: jax.Array) -> jax.Array:
-  """ELU (alpha 1) as `exp(min(x, 0)) - 1` below 0 instead of `jax.nn.elu`'s `expm1`: XLA's CPU
+  """ELU (alpha 1) as `exp(x) - 1` at x <= 0 instead of `jax.nn.elu`'s `expm1`: XLA's CPU
   backend evaluates expm1 about 2x slower than exp, which made the base network's three ELUs
   ~7% of a batched forward (BENCHMARKS.md, issue N session 17). The same function within 1.2e-7
   absolute (exp's round-off near 1; tests/model_test.py), the same gradient (exp(x) at x <= 0);
@@ -332,7 +332,8 @@ class GraphNet(nnx.Module):
 
 
 class MLPNet(nnx.Module):
-  """Dense baseline: per-joint inputs `[B, J, d_in]` flattened -> L hidden layers -> 6D `[B, J, 6]`."""
+  """Dense baseline: per-joint inputs `[B, J, d_in]` flattened -> L hidden layers -> 6D
+  `[B, J, 6]`."""
 
   def __init__(self, num_joints: int, *, d: int, num_layers: int, dropout: float,
                rngs: nnx.Rngs, d_in: int = 3, extra_out: int = 0):

@@ -918,7 +918,7 @@ class IKSolver:
     mb = inference.micro_batch_size()
     if self.workers <= 1 or not mb or T < 2 * mb or T >= self.workers * self.block_size:
       return self.block_size
-    return bucket_for(max(-(-T // self.workers), mb), self.buckets)
+    return bucket_for(min(max(-(-T // self.workers), mb), self.block_size), self.buckets)
 
   def _filter_clip(self, out: dict[str, np.ndarray], pos: np.ndarray,
                    subject) -> dict[str, np.ndarray]:

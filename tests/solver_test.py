@@ -330,6 +330,8 @@ def test_workers_solve_the_same_frames_in_order(tmp_path_factory):
   T = 5 * mb  # cut in two chunks of 4 blocks each, the second padded
   assert one._chunk_size(T) == 1024 and two._chunk_size(T) == 4 * mb
   assert two._chunk_size(mb) == 1024  # too short to share
+  odd = IKSolver(inference.load_model(ckpt)[0], workers=4, block_size=mb - 24)
+  assert all(odd._chunk_size(T) <= mb - 24 for T in range(2 * mb, 4 * mb))  # never > a block
   pos = posed_clip(one.rig, one.offsets, T=T, seed=3, scale=0.3)
   a, b = one.solve(pos, full=True, progress=False), two.solve(pos, full=True, progress=False)
   for k in ('local_rot', 'global_rot', 'positions_fk'):
