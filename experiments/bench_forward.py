@@ -17,9 +17,13 @@ default: the backend's, 64 on the CPU). `--threads=N` splits each batch into N e
 at once by N threads on the same executable, as the solver's clip path runs its chunks
 (`solver.default_workers()`; a batch that N does not divide runs whole): XLA's CPU runtime runs
 one executable's many small kernels one after another, so two at once use two cores better.
+`--dims=WIDTHxBLOCKS` times an untrained network of the checkpoint's config at that width and
+number of blocks instead (the time does not depend on the weights): what a smaller model would
+cost, before training one.
 """
 
 import concurrent.futures
+import dataclasses
 import time
 
 from absl import app, flags
@@ -29,7 +33,10 @@ import numpy as np
 
 from experiments.common import fail_on_user_error
 from experiments import benchmark_suite
+from flax import nnx
+
 from ik_gat_jax import bone_frames, gat, inference
+from ik_gat_jax import model as model_lib
 
 _CKPT = flags.DEFINE_string('checkpoint', None, 'IK-GAT run or checkpoint (default: shipped).')
 _BATCHES = flags.DEFINE_list('batches', ['1', '64', '256'], 'Batch sizes.')
@@ -46,6 +53,8 @@ _CALLS = flags.DEFINE_integer('calls', 2000, 'Timed calls per batch size (batch 
 _THREADS = flags.DEFINE_integer('threads', 1, 'Threads per batch, each running an equal part of it '
                                 'at once (the solver\'s workers); 1: the batch in one call.',
                                 lower_bound=1)
+_DIMS = flags.DEFINE_string('dims', None, 'WIDTHxBLOCKS, e.g. 192x2: time an untrained network of '
+                            'the checkpoint\'s config at that width and depth instead.')
 _ROUNDS = flags.DEFINE_integer('rounds', 3, 'Times the matmul and every batch size are timed in '
                                'turn; each round\'s share is of its own matmul.', lower_bound=1)
 
@@ -55,6 +64,8 @@ def main(argv):
   del argv
   model, _ = inference.load_model(_CKPT.value or inference.SHIPPED_IKGAT)
   rig = model.rig
+  if _DIMS.value:
+    model = untrained(model, _DIMS.value)
   gat.set_form(model, _ATTENTION.value)
   B = bone_frames.bone_frames(jnp.asarray(rig.template(), jnp.float32), rig)[None]
   jitted = jax.jit(lambda p: inference.ikgat_infer(model, {'positions': p, 'bone_frames': B},
@@ -68,8 +79,10 @@ def main(argv):
   whole = jax.jit(lambda p: inference.ikgat_infer(model, {'positions': p, 'bone_frames': B},
                                                   micro_batch=0))
   rng = np.random.default_rng(0)
-  print(f'IK-GAT ({model.config.size}) forward + local rotations, {jax.default_backend()}, '
-        f'{len(jax.devices())} device(s), attention on {_ATTENTION.value}, blocks of '
+  print(f'IK-GAT ({model.config.size}, width {model.config.dims[0]}, {model.config.dims[1]} '
+        f'blocks, {model_lib.param_count(model):,} parameters) forward + local rotations, '
+        f'{jax.default_backend()}, {len(jax.devices())} device(s), attention on '
+        f'{_ATTENTION.value}, blocks of '
         f'{inference.micro_batch_size() if _MICRO.value is None else _MICRO.value}, '
         f'{_THREADS.value} thread(s) per batch')
   cost = whole.lower(jnp.zeros((1, rig.num_joints, 3), jnp.float32)).compile().cost_analysis()
@@ -105,6 +118,19 @@ def main(argv):
                  f'{min(shares):.1f}-{max(shares):.1f}%)')
       print(f'batch {b:5d}: median {np.median([np.median(ms) for ms in times[b]]):.3f} ms, '
             f'{np.median(fps):,.0f} frames/s ({flops / 1e6:.2f} MFLOP/frame{share})')
+
+
+def untrained(model, dims: str):
+  """An untrained model of `model`'s config and rig at `dims` = 'WIDTHxBLOCKS' (ValueError for
+  another form)."""
+  try:
+    width, blocks = (int(x) for x in dims.lower().split('x'))
+  except ValueError:
+    raise ValueError(f'--dims is WIDTHxBLOCKS, e.g. 192x2, got {dims!r}') from None
+  if width < 1 or blocks < 1:
+    raise ValueError(f'--dims needs a width and a number of blocks >= 1, got {dims!r}')
+  config = dataclasses.replace(model.config, hidden=width, num_layers=blocks)
+  return model_lib.create_model(config, model.rig, nnx.Rngs(0))
 
 
 def time_forward(forward, p, calls: int) -> np.ndarray:
