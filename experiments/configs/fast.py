@@ -6,10 +6,14 @@ canonicalisation, observed-direction head with the learned blend, noise-level in
 teacher's rotations as a second target, `loss.distill_weight` 1) with 2 blocks of width 192
 instead of 3 of 320 (108K parameters, about distill.py's 3 blocks of 160, with fewer kernels per
 frame): 3.0x the base's frames/s batched on 2 cores (two threads, sparse form), val 5.15 deg
-against the base's 4.64; shipped opt-in as checkpoints/ikgat_fast (BENCHMARKS.md "Fewer, wider
-layers"). Command (2-core CPU, about half an hour):
+against the base's 4.64 after this config's 15,000 steps (2-core CPU, about half an hour):
   python -m experiments.train --data=/tmp/cmu --workdir=runs/n_w192l2 \
       --config=experiments/configs/fast.py
+The shipped opt-in checkpoints/ikgat_fast continues that run for 24,000 steps at half the peak
+rate (val 4.99; its card; BENCHMARKS.md "Fewer, wider layers"; about an hour):
+  python -m experiments.train --data=/tmp/cmu --workdir=runs/n_w192l2_long \
+      --config=experiments/configs/fast.py --config.train.init_from=runs/n_w192l2 \
+      --steps=24000 --config.train.lr=1e-3 --config.train.warmup_steps=300
 """
 
 from experiments.configs import distill
