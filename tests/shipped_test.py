@@ -56,11 +56,11 @@ def test_shipped_ikgat_reproduces_its_unseen_subject_metrics(subject_07, name):
   assert r['frames'] == expect['frames']
   for k in ('local_rot_err_deg', 'twist_err_deg', 'mpjpe_mm'):
     np.testing.assert_allclose(r[k], expect[k], rtol=2e-3, err_msg=k)
-  if name == 'ikgat_fast':  # fewer FLOPs than the base, and the accuracy its card states
+  if name == 'ikgat_fast':  # fewer FLOPs than the base, within 1 deg of its accuracy
     model, _ = inference.load_model(SHIPPED / name)
     assert model.config.dims[:2] == (192, 2)
     base = json.loads((SHIPPED / 'ikgat_base' / 'test_metrics.json').read_text())
-    assert base['local_rot_err_deg'] < card['local_rot_err_deg'] < base['local_rot_err_deg'] + 1
+    assert abs(card['local_rot_err_deg'] - base['local_rot_err_deg']) < 1
 
 
 def test_cmu_clip_bvh_solve_bvh_with_the_shipped_model(cmu_dir, tmp_path):
