@@ -33,8 +33,8 @@ a rerun on the same machine compiles less.
 
 Every measurement is bounded: at least 3 timed calls after the compiling one, more until
 `measure_s` has passed (at most 200); a batch is not tried when the last one's time, doubled,
-would pass the section's deadline. `--tiny` (the test's mode: tiny model, batches up to 8, short
-measurements) runs on a CPU in about a minute.
+would pass the section's deadline. `--tiny` (the test's mode: tiny model, batches up to 4, one training
+batch, short measurements) runs on a CPU in about a minute.
 
 The JSON: command, config, device {backend, devices, device_kind, memory_stats, versions,
 nvidia_smi}, provenance, compile_cache, model {size, rig, source, params, dims},
@@ -93,10 +93,10 @@ class Options:
   output_json: str = 'outputs/device_check.json'
   size: str = 'base'
   rig: str = 'cmu_body'
-  max_batch: int | None = None  # None: 1 << 20 on an accelerator, 1024 on the CPU (tiny: 8)
+  max_batch: int | None = None  # None: 1 << 20 on an accelerator, 1024 on the CPU (tiny: 4)
   time_budget_s: float = 240.0
   tiny: bool = False
-  train_batches: tuple[int, ...] | None = None  # None: 256, 1024, 4096 (tiny: 4, 8)
+  train_batches: tuple[int, ...] | None = None  # None: 256, 1024, 4096 (tiny: 4)
   measure_s: float | None = None  # None: 0.5 (tiny: 0.05)
   torch: bool = True  # False: skip PyTorch even when installed
 
@@ -105,9 +105,9 @@ class Options:
     if o.tiny:
       o.size = 'tiny' if self.size == 'base' else self.size
     if o.max_batch is None:
-      o.max_batch = 8 if o.tiny else (1024 if backend == 'cpu' else 1 << 20)
+      o.max_batch = 4 if o.tiny else (1024 if backend == 'cpu' else 1 << 20)
     if o.train_batches is None:
-      o.train_batches = (4, 8) if o.tiny else (256, 1024, 4096)
+      o.train_batches = (4,) if o.tiny else (256, 1024, 4096)
     o.train_batches = tuple(b for b in o.train_batches if b <= o.max_batch) or (o.max_batch,)
     if o.measure_s is None:
       o.measure_s = 0.05 if o.tiny else 0.5
@@ -511,7 +511,7 @@ def run(o: Options, log: Callable[[str], None] = print) -> dict:
   budget = Budget(o.time_budget_s, list(SHARES))
   tg_seconds = budget.section('torch_geometric')
   if o.torch:
-    tg = run_torch(rig, dims, rest, o.max_batch or (8 if o.tiny else 1 << 20), tg_seconds,
+    tg = run_torch(rig, dims, rest, o.max_batch or (4 if o.tiny else 1 << 20), tg_seconds,
                    o.measure_s or (0.05 if o.tiny else 0.5))
   else:
     tg = {'status': 'skipped (--notorch)'}
@@ -595,7 +595,7 @@ def define_flags() -> None:
   flags.DEFINE_string('size', 'base', 'Model size (tiny, small, base, large).')
   flags.DEFINE_string('rig', 'cmu_body', 'Built-in rig (cmu_body, smpl22).')
   flags.DEFINE_integer('max_batch', None, 'Largest batch (default 1<<20 on an accelerator, '
-                       '1024 on the CPU, 8 with --tiny).')
+                       '1024 on the CPU, 4 with --tiny).')
   flags.DEFINE_float('time_budget_s', 240.0, 'Time for all sections together; batches stop '
                      'growing when a section\'s share is near.')
   flags.DEFINE_boolean('tiny', False, 'Tiny model and batches (the CPU test).')

@@ -43,7 +43,7 @@ def test_json_structure(result):
   assert dev['versions']['jax'] and dev['versions']['flax']
   assert result['model']['size'] == 'tiny' and result['model']['source'] == 'random init'
   assert result['model']['params'] > 0
-  assert result['config']['max_batch'] == 8
+  assert result['config']['max_batch'] == 4
   tg = result['torch_geometric']
   if tg['status'] == 'ok':  # PyTorch + torch_geometric installed: the same network's size
     assert tg['model']['params'] == result['model']['params']
@@ -59,18 +59,18 @@ def test_inference_batches_double_and_rates_are_positive(result):
   for dtype in ('float32', 'bfloat16'):
     s = result['inference'][dtype]
     assert _doubles(s['batches']), s['batches']
-    assert s['batches'] == [1, 2, 4, 8] and s['stopped'] == 'max_batch'
-    assert s['largest_batch'] == 8 and s['best_batch'] in s['batches']
+    assert s['batches'] == [1, 2, 4] and s['stopped'] == 'max_batch'
+    assert s['largest_batch'] == 4 and s['best_batch'] in s['batches']
     for r in s['results']:
       assert r['frames_per_s'] > 0 and r['median_ms'] > 0 and r['calls'] >= 3
       assert r['compile_s'] >= 0 and r['flops_per_frame'] > 0
-  assert [r['batch'] for r in result['bf16_speedup']] == [1, 2, 4, 8]
+  assert [r['batch'] for r in result['bf16_speedup']] == [1, 2, 4]
   assert all(r['speedup'] > 0 for r in result['bf16_speedup'])
 
 
 def test_training_rates(result):
   t = result['training']
-  assert t['batches'] == [4, 8] and t['stopped'] == 'max_batch'
+  assert t['batches'] == [4] and t['stopped'] == 'max_batch'
   for r in t['results']:
     assert r['steps_per_s'] > 0 and r['frames_per_s'] > 0
     assert r['frames_per_s'] == pytest.approx(r['batch'] * r['steps_per_s'])
