@@ -9,11 +9,16 @@ frame): 3.0x the base's frames/s batched on 2 cores (two threads, sparse form), 
 against the base's 4.64 after this config's 15,000 steps (2-core CPU, about half an hour):
   python -m experiments.train --data=/tmp/cmu --workdir=runs/n_w192l2 \
       --config=experiments/configs/fast.py
-The shipped opt-in checkpoints/ikgat_fast continues that run for 24,000 steps at half the peak
-rate (val 4.99; its card; BENCHMARKS.md "Fewer, wider layers"; about an hour):
+Continued for 24,000 steps at half the peak rate (val 4.99; BENCHMARKS.md "Fewer, wider layers";
+about an hour):
   python -m experiments.train --data=/tmp/cmu --workdir=runs/n_w192l2_long \
       --config=experiments/configs/fast.py --config.train.init_from=runs/n_w192l2 \
       --steps=24000 --config.train.lr=1e-3 --config.train.warmup_steps=300
+and then without dropout (val 4.79; the shipped opt-in checkpoints/ikgat_fast, its card lists the
+whole chain; about 50 minutes):
+  python -m experiments.train --data=/tmp/cmu --workdir=runs/n_w192l2_nodrop \
+      --config=experiments/configs/fast.py --config.train.init_from=runs/n_w192l2_long \
+      --config.model.dropout=0.0 --steps=12000 --config.train.lr=5e-4 --config.train.warmup_steps=200
 """
 
 from experiments.configs import distill
