@@ -19,7 +19,10 @@ at once by N threads on the same executable, as the solver's clip path runs its 
 one executable's many small kernels one after another, so two at once use two cores better.
 `--dims=WIDTHxBLOCKS` times an untrained network of the checkpoint's config at that width and
 number of blocks instead (the time does not depend on the weights): what a smaller model would
-cost, before training one.
+cost, before training one. `--clip=FILE` (a BVH, or an npz / csv in metres) also solves that clip
+whole with `IKSolver.solve` once per round (checks, retargeting and the chunks on `--threads`
+workers included, the same attention form; compiled by a first solve before any timing): the
+solver's clip path, its frames/s and its share of the round's matmul at the network's FLOPs.
 """
 
 import concurrent.futures
@@ -36,6 +39,8 @@ from experiments import benchmark_suite
 from flax import nnx
 
 from ik_gat_jax import bone_frames, gat, inference
+from ik_gat_jax.io import exports
+from ik_gat_jax.solver import IKSolver
 from ik_gat_jax import model as model_lib
 
 _CKPT = flags.DEFINE_string('checkpoint', None, 'IK-GAT run or checkpoint (default: shipped).')
@@ -55,6 +60,8 @@ _THREADS = flags.DEFINE_integer('threads', 1, 'Threads per batch, each running a
                                 lower_bound=1)
 _DIMS = flags.DEFINE_string('dims', None, 'WIDTHxBLOCKS, e.g. 192x2: time an untrained network of '
                             'the checkpoint\'s config at that width and depth instead.')
+_CLIP = flags.DEFINE_string('clip', None, 'A clip (BVH, or npz / csv in metres) also solved whole '
+                           'by IKSolver.solve each round, on --threads workers.')
 _ROUNDS = flags.DEFINE_integer('rounds', 3, 'Times the matmul and every batch size are timed in '
                                'turn; each round\'s share is of its own matmul.', lower_bound=1)
 
@@ -62,6 +69,9 @@ _ROUNDS = flags.DEFINE_integer('rounds', 3, 'Times the matmul and every batch si
 @fail_on_user_error
 def main(argv):
   del argv
+  if _DIMS.value and _CLIP.value:
+    raise ValueError('--clip solves with the checkpoint\'s trained model; --dims times an '
+                     'untrained one: give one of them')
   model, _ = inference.load_model(_CKPT.value or inference.SHIPPED_IKGAT)
   rig = model.rig
   if _DIMS.value:
@@ -96,7 +106,8 @@ def main(argv):
     inputs[b] = tuple(jnp.split(p, k))
   for p in inputs.values():
     jax.block_until_ready(forward(p))  # compile every batch size before any timing
-  rates, times = [], {b: [] for b in batches}
+  clip = _clip_solve(rig) if _CLIP.value else None
+  rates, times, clip_s = [], {b: [] for b in batches}, []
   for r in range(_ROUNDS.value):
     if _MATMUL.value:
       rates.append(benchmark_suite.matmul_gflops(2048)['gflops_per_s'])
@@ -105,6 +116,12 @@ def main(argv):
       ms = time_forward(forward, inputs[b], max(_CALLS.value // b, 20))
       times[b].append(ms)
       print(f'round {r + 1}: ' + line(b, ms, flops, rates[-1] if rates else None))
+    if clip:
+      t = time.perf_counter()
+      clip[0]()
+      clip_s.append(time.perf_counter() - t)
+      print(f'round {r + 1}: ' + clip_line(clip[1], clip_s[-1], flops,
+                                           rates[-1] if rates else None))
   if _ROUNDS.value > 1:
     print(f'median of {_ROUNDS.value} rounds' + (f' (matmul {np.median(rates):.1f} GFLOP/s, '
                                                f'range {min(rates):.1f}-{max(rates):.1f})'
@@ -118,6 +135,37 @@ def main(argv):
                  f'{min(shares):.1f}-{max(shares):.1f}%)')
       print(f'batch {b:5d}: median {np.median([np.median(ms) for ms in times[b]]):.3f} ms, '
             f'{np.median(fps):,.0f} frames/s ({flops / 1e6:.2f} MFLOP/frame{share})')
+    if clip:
+      fps = [clip[1] / s for s in clip_s]
+      share = ''
+      if rates:
+        shares = [100 * f * flops / 1e9 / g for f, g in zip(fps, rates)]
+        share = (f', {np.median(shares):.1f}% of its round\'s matmul (range '
+                 f'{min(shares):.1f}-{max(shares):.1f}%)')
+      print(f'clip {clip[1]:5d} frames: median {np.median(clip_s):.3f} s, '
+            f'{np.median(fps):,.0f} frames/s{share}')
+
+
+def _clip_solve(rig):
+  """(a call solving --clip whole with IKSolver.solve, its number of frames), compiled by one
+  solve first. The solver takes --checkpoint, --attention and --threads as its workers."""
+  solver = IKSolver.from_checkpoint(_CKPT.value or inference.SHIPPED_IKGAT,
+                                    attention=_ATTENTION.value, workers=_THREADS.value)
+  source = exports.read_positions(_CLIP.value, rig)
+  offsets = source.offsets if source.metres_rig else None
+
+  def solve():
+    return solver.solve(source.positions, offsets=offsets, progress=False)
+
+  solve()
+  return solve, len(source.positions)
+
+
+def clip_line(frames: int, seconds: float, flops: float, rate: float | None) -> str:
+  """One round's solve of the clip: seconds, frames/s, the share of `rate` at `flops`."""
+  fps = frames / seconds
+  share = f', {100 * fps * flops / 1e9 / rate:.1f}% of the matmul' if rate else ''
+  return f'clip {frames:5d} frames: {seconds:.3f} s, {fps:,.0f} frames/s{share}'
 
 
 def untrained(model, dims: str):

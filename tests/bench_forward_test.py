@@ -1,7 +1,8 @@
 """experiments/bench_forward.py: the matmul and the network timed in turn, shares per round.
 
-One subprocess run at two batch sizes and two rounds; the summary's share must be the median of
-the rounds' own shares (each of its round's matmul), not a rate over one early matmul.
+One subprocess run at two batch sizes and two rounds, with a short real clip solved by the
+solver's clip path each round; the summary's share must be the median of the rounds' own shares
+(each of its round's matmul), not a rate over one early matmul.
 """
 
 import re
@@ -14,13 +15,18 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 ROUND = re.compile(r'^round (\d+): batch +(\d+): .* ([\d,]+) frames/s .*, ([\d.]+)% of the matmul')
 MATMUL = re.compile(r'^round (\d+): float32 2048 x 2048 matmul ([\d.]+) GFLOP/s')
+CLIP_ROUND = re.compile(r'^round (\d+): clip +(\d+) frames: ([\d.]+) s, ([\d,]+) frames/s, '
+                        r'([\d.]+)% of the matmul')
+CLIP_SUMMARY = re.compile(r'^clip +(\d+) frames: median ([\d.]+) s, ([\d,]+) frames/s, ([\d.]+)% '
+                          r'of its round\'s matmul')
 SUMMARY = re.compile(r'^batch +(\d+): median .* ([\d.]+)% of its round\'s matmul \(range '
                      r'([\d.]+)-([\d.]+)%\)')
 
 
-def test_rounds_interleave_matmul_and_network_and_summarise_per_round_shares():
+def test_rounds_interleave_matmul_and_network_and_summarise_per_round_shares(cmu_dir):
+  clip = cmu_dir / '09_03.bvh'
   cmd = [sys.executable, '-m', 'experiments.bench_forward', '--batches=1,2', '--calls=20',
-         '--rounds=2']
+         '--rounds=2', f'--clip={clip}']
   done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   lines = done.stdout.splitlines()
@@ -39,6 +45,18 @@ def test_rounds_interleave_matmul_and_network_and_summarise_per_round_shares():
     assert len(shares[b]) == 2
     np.testing.assert_allclose(median, np.median(shares[b]), atol=0.11)  # three roundings
     np.testing.assert_allclose([low, high], [min(shares[b]), max(shares[b])], atol=0.051)
+  # The clip: every frame of the file solved once per round, after that round's matmul.
+  from ik_gat_jax import skeleton
+  from ik_gat_jax.io import exports
+  frames = len(exports.read_positions(clip, skeleton.get_rig('cmu_body')).positions)
+  rounds = [m for m in map(CLIP_ROUND.match, lines) if m]
+  assert [int(m[1]) for m in rounds] == [1, 2] and {int(m[2]) for m in rounds} == {frames}
+  for m in rounds:  # frames/s as printed follows from the seconds as printed (to 0.5 ms)
+    seconds, fps = float(m[3]), float(m[4].replace(',', ''))
+    assert frames / (seconds + 5e-4) - 1 <= fps <= frames / max(seconds - 5e-4, 1e-9) + 1, m[0]
+  (summary_clip,) = [m for m in map(CLIP_SUMMARY.match, lines) if m]
+  np.testing.assert_allclose(float(summary_clip[4]), np.median([float(m[5]) for m in rounds]),
+                             atol=0.11)
 
 
 def test_dims_times_an_untrained_network_of_that_size_and_refuses_a_bad_spec():
