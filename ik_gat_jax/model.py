@@ -133,6 +133,26 @@ def elu(x: jax.Array) -> jax.Array:
   return jnp.where(x > 0, x, jnp.exp(jnp.where(x > 0, 0.0, x)) - 1)
 
 
+def layer_norm(norm: nnx.LayerNorm, x: jax.Array) -> jax.Array:
+  """`norm(x)` (flax's LayerNorm over the last axis: fast variance E[x^2] - E[x]^2 clipped at 0,
+  its epsilon, scale and bias; statistics in at least float32) with both row statistics from
+  one matrix-vector product of `[..., 2, d]` (x and x^2) with 1/d. XLA's CPU backend otherwise
+  splits each mean over d > 32 into a squared copy, two windowed partial sums and a final sum
+  (its tree-reduction rewrite; the YNN reduce fusions that would take them are off, see
+  ik_gat_jax/__init__.py): five kernels over the block's activations per LayerNorm, about an
+  eighth of a batched forward (BENCHMARKS.md, issue N session 23). The same function up to
+  float32 summation order (tests/model_test.py)."""
+  dtype = jnp.promote_types(x.dtype, jnp.float32)
+  xf = x.astype(dtype)
+  d = x.shape[-1]
+  stats = jnp.stack([xf, xf * xf], axis=-2) @ jnp.full((d,), 1.0 / d, dtype)  # [..., 2]
+  mean, mean2 = stats[..., 0], stats[..., 1]
+  var = jnp.maximum(0.0, mean2 - mean * mean)
+  mul = jax.lax.rsqrt(var + norm.epsilon)[..., None] * norm.scale[...]
+  y = (xf - mean[..., None]) * mul + norm.bias[...]
+  return y.astype(jnp.result_type(x, norm.scale[...], norm.bias[...]))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Every model choice in one frozen (hashable, JSON-able) record; see the module docstring.
@@ -294,10 +314,10 @@ class Block(nnx.Module):
     a = self.attn(h, training=not deterministic)
     if self.pool is not None:
       a = a + self.pool(jnp.mean(h, axis=-2, keepdims=True))
-    h = self.norm(h + self.dropout(elu(a), deterministic=deterministic))
+    h = layer_norm(self.norm, h + self.dropout(elu(a), deterministic=deterministic))
     if self.ffn_in is not None:
       f = self.ffn_out(nnx.gelu(self.ffn_in(h)))
-      h = self.ffn_norm(h + self.dropout(f, deterministic=deterministic))
+      h = layer_norm(self.ffn_norm, h + self.dropout(f, deterministic=deterministic))
     return h
 
 

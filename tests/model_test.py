@@ -308,6 +308,39 @@ def test_elu_is_jax_elu_with_a_finite_gradient():
   np.testing.assert_allclose(g, jax.vmap(jax.grad(jax.nn.elu))(x), rtol=1e-6, atol=1e-7)
 
 
+def test_layer_norm_is_flax_layer_norm_and_so_is_its_gradient():
+  """model.layer_norm (both statistics from one matrix-vector product: fewer CPU kernels) is
+  nnx.LayerNorm's function within float32 summation order, at several widths (under and over
+  XLA's 32-wide tree-reduction split), with a mean far from 0 (where the fast variance cancels)
+  and a constant row (variance 0: clipped, then epsilon); so is the gradient; bfloat16 stays
+  bfloat16 within one rounding."""
+  for d in (7, 64, 320):
+    norm = nnx.LayerNorm(d, rngs=nnx.Rngs(0))
+    norm.scale[...] = 1 + 0.5 * jax.random.normal(jax.random.PRNGKey(1), (d,))
+    norm.bias[...] = jax.random.normal(jax.random.PRNGKey(2), (d,))
+    x = 3.0 + 2.0 * jax.random.normal(jax.random.PRNGKey(d), (4, 21, d))
+    x = x.at[0, 0].set(5.0)  # a constant row
+    y, ref = model.layer_norm(norm, x), norm(x)
+    # Row statistics of d terms: relative error ~ d eps in the sums, amplified by mean^2 / var
+    # (about 3 here) in the fast variance, times |x - mean| / std (< 6) in the output.
+    tol = 3 * 6 * d * np.finfo(np.float32).eps * float(jnp.max(jnp.abs(norm.scale[...])))
+    np.testing.assert_allclose(y[1:], ref[1:], rtol=0, atol=tol)
+    np.testing.assert_allclose(y[0, 1:], ref[0, 1:], rtol=0, atol=tol)
+    # The constant row: x - mean is the mean's round-off (5 d eps at most), over sqrt(epsilon).
+    const = 5.0 * d * np.finfo(np.float32).eps / np.sqrt(norm.epsilon)
+    np.testing.assert_allclose(y[0, 0], norm.bias[...], rtol=0,
+                               atol=const * float(jnp.max(jnp.abs(norm.scale[...]))))
+    f = lambda fn: jax.grad(lambda x: jnp.sum(jnp.sin(fn(x))))(x)
+    g, g_ref = f(lambda x: model.layer_norm(norm, x)), f(norm)
+    np.testing.assert_allclose(g[1:], g_ref[1:], rtol=0, atol=10 * tol)
+  low = nnx.LayerNorm(320, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+  xb = x.astype(jnp.bfloat16)
+  yb = model.layer_norm(low, xb)
+  assert yb.dtype == low(xb).dtype == jnp.bfloat16
+  np.testing.assert_allclose(yb.astype(np.float32), low(xb).astype(np.float32), rtol=2 ** -7,
+                             atol=2 ** -7)
+
+
 @pytest.mark.parametrize('name', ['default', 'distill', 'fast', 'temporal', 'test'])
 def test_named_training_configs_build(name):
   """Each IK-GAT config of experiments/configs builds its model (abstractly), and a distilled
