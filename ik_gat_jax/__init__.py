@@ -7,10 +7,11 @@ Importing the package applies one XLA workaround before JAX starts its backend: 
 "YNN" fusions are switched off (`--xla_cpu_experimental_ynn_fusion_type=`). On jaxlib 0.10.2
 the reduce fusion miscompiles `r - sum(r * x, -1, keepdims=True) * x` for more than 512 outer
 rows (rows past the first thread's partition read the wrong data: errors of order 1), which
-corrupted batched bone frames of mixed subjects; switching it off cost no measurable speed
-(IK-GAT base at batch 256, 2-core CPU) once `model.layer_norm` took the LayerNorms' row means
-off XLA's reductions, which without YNN split each mean over more than 32 numbers into five
-kernels. Set the flag yourself in XLA_FLAGS to override.
+corrupted batched bone frames of mixed subjects. Switching it off cost no measurable speed
+at first (IK-GAT base at batch 256, 2-core CPU), but without YNN XLA splits every mean over more
+than 32 numbers into five kernels, which made the LayerNorms slow (session 23, Zen 4: 1.5x for
+an ELU, residual and LayerNorm); `model.layer_norm` computes their row statistics as a
+matrix-vector product instead. Set the flag yourself in XLA_FLAGS to override.
 tests/xla_workaround_test.py guards it.
 
 And one setting for speed, the same way: `--xla_cpu_prefer_vector_width=512` (XLA's CPU
