@@ -128,22 +128,23 @@ def main(argv):
                                                if rates else '') + ':')
     for b in batches:
       fps = [b / np.median(ms) * 1000 for ms in times[b]]
-      share = ''
-      if rates:
-        shares = [100 * f * flops / 1e9 / g for f, g in zip(fps, rates)]
-        share = (f', {np.median(shares):.1f}% of its round\'s matmul (range '
-                 f'{min(shares):.1f}-{max(shares):.1f}%)')
       print(f'batch {b:5d}: median {np.median([np.median(ms) for ms in times[b]]):.3f} ms, '
-            f'{np.median(fps):,.0f} frames/s ({flops / 1e6:.2f} MFLOP/frame{share})')
+            f'{np.median(fps):,.0f} frames/s ({flops / 1e6:.2f} MFLOP/frame'
+            f'{round_shares(fps, flops, rates)})')
     if clip:
       fps = [clip[1] / s for s in clip_s]
-      share = ''
-      if rates:
-        shares = [100 * f * flops / 1e9 / g for f, g in zip(fps, rates)]
-        share = (f', {np.median(shares):.1f}% of its round\'s matmul (range '
-                 f'{min(shares):.1f}-{max(shares):.1f}%)')
       print(f'clip {clip[1]:5d} frames: median {np.median(clip_s):.3f} s, '
-            f'{np.median(fps):,.0f} frames/s{share}')
+            f'{np.median(fps):,.0f} frames/s{round_shares(fps, flops, rates)}')
+
+
+def round_shares(fps: list[float], flops: float, rates: list[float]) -> str:
+  """', M% of its round's matmul (range L-H%)': the median and range of each round's frames/s
+  at `flops` per frame over that round's matmul GFLOP/s; '' without matmul rates."""
+  if not rates:
+    return ''
+  shares = [100 * f * flops / 1e9 / g for f, g in zip(fps, rates)]
+  return (f', {np.median(shares):.1f}% of its round\'s matmul (range '
+          f'{min(shares):.1f}-{max(shares):.1f}%)')
 
 
 def _clip_solve(rig):
