@@ -88,7 +88,7 @@ def breakdown(solver: IKSolver, frames: np.ndarray, calls: int) -> dict:
   exe = solver._step_exec  # pylint: disable=protected-access
   leaves = solver._leaves  # pylint: disable=protected-access
   on_device = jnp.asarray(frames[:1], jnp.float32)
-  out_device = exe(leaves, on_device, off, B, None)['local_rot']
+  out_device = exe(leaves, on_device, off, B, None, None)['local_rot']
   floor = jax.jit(lambda x: x + 1).lower(on_device).compile()
 
   def host_checks(f):
@@ -99,12 +99,12 @@ def breakdown(solver: IKSolver, frames: np.ndarray, calls: int) -> dict:
   parts = _median_ms({
       'step': solver.step,
       'host_checks': host_checks,
-      'executable': lambda f: exe(leaves, on_device, off, B, None)['local_rot']
+      'executable': lambda f: exe(leaves, on_device, off, B, None, None)['local_rot']
       .block_until_ready(),
-      'numpy_in': lambda f: exe(leaves, np.asarray(f[None], np.float32), off, B, None)
+      'numpy_in': lambda f: exe(leaves, np.asarray(f[None], np.float32), off, B, None, None)
       ['local_rot'].block_until_ready(),
       'numpy_in_out': lambda f: np.asarray(exe(leaves, np.asarray(f[None], np.float32), off, B,
-                                               None)['local_rot']),
+                                               None, None)['local_rot']),
       'dispatch_floor': lambda f: floor(on_device).block_until_ready(),
   }, frames, calls)
   parts['to_host'] = parts.pop('numpy_in_out') - parts['numpy_in']

@@ -138,7 +138,8 @@ def micro_batch_size() -> int:
 
 def ikgat_infer(model, batch, config=None, rig=None,
                 refine: iterative_ik.SolverConfig | None = None,
-                micro_batch: int | None = None, prior=None, mirror: bool = False) -> jax.Array:
+                micro_batch: int | None = None, prior=None, mirror: bool = False,
+                num_valid: jax.Array | int | None = None) -> jax.Array:
   """The one IK-GAT forward: deterministic, to local rotations `[B, J, 3, 3]` (batch:
   positions, bone_frames; optional joint_mask, orientations, orientation_mask, end_sites,
   end_site_mask where the model takes them; a window model's history `[B, k-1, J, 3]`).
@@ -148,7 +149,10 @@ def ikgat_infer(model, batch, config=None, rig=None,
   (`iterative_ik.SolverConfig.w_prior`). A
   batch of more than `micro_batch` examples (None: `micro_batch_size()`; 0: never) runs the
   network in blocks of that many (`lax.map`, the last block padded with copies of the last
-  example): the same function per example, one executable.
+  example): the same function per example, one executable. `num_valid` (a traced int32 scalar
+  too): only the first that many examples are wanted (the rest pad a fixed shape), so a block
+  holding none of them is skipped (`lax.cond`; identity rotations there): one compiled shape
+  serves every chunk size without computing its padding (the solver's clip path).
 
   `mirror` (test-time mirror averaging): the network also solves the mirror image of the input
   (`mirror_inputs`; it needs `batch['offsets']`) in the same call, and the answer is the
@@ -164,7 +168,7 @@ def ikgat_infer(model, batch, config=None, rig=None,
     inputs = mirror_inputs(inputs, batch['offsets'], rig)
   mb = micro_batch_size() if micro_batch is None else int(micro_batch)
   if mb and inputs['positions'].shape[0] > mb:
-    local = _in_blocks(model, inputs, rig, mb)
+    local = _in_blocks(model, inputs, rig, mb, num_valid, period=n)
   else:
     local = _network(model, inputs, rig)
   if mirror:
@@ -215,9 +219,12 @@ def _network(model, inputs: dict, rig: Rig) -> jax.Array:
                             model.config.bone_chart)
 
 
-def _in_blocks(model, inputs: dict, rig: Rig, mb: int) -> jax.Array:
+def _in_blocks(model, inputs: dict, rig: Rig, mb: int, num_valid=None,
+               period: int | None = None) -> jax.Array:
   """`_network` over blocks of `mb` examples: the inputs with the batch's leading size are cut
-  (padded to whole blocks), the broadcast ones (leading 1) go to every block as they are."""
+  (padded to whole blocks), the broadcast ones (leading 1) go to every block as they are. With
+  `num_valid`, example e is wanted when `e % period < num_valid` (`period`: the caller's batch,
+  which a mirrored batch repeats), and a block with no wanted example is skipped."""
   n = inputs['positions'].shape[0]
   blocks = -(-n // mb)
   per_frame = {k: v for k, v in inputs.items() if v.shape[0] == n}
@@ -232,7 +239,17 @@ def _in_blocks(model, inputs: dict, rig: Rig, mb: int) -> jax.Array:
   def body(part):
     return _network(nnx.merge(graphdef, state), {**shared, **part}, rig)
 
-  out = jax.lax.map(body, {k: cut(v) for k, v in per_frame.items()})
+  parts = {k: cut(v) for k, v in per_frame.items()}
+  if num_valid is None:
+    out = jax.lax.map(body, parts)
+  else:
+    e = np.arange(blocks * mb)
+    wanted = ((e % (period or n)) < num_valid) & (e < n)
+    live = jnp.any(wanted.reshape(blocks, mb), axis=-1)
+    shape = jax.eval_shape(body, jax.tree.map(lambda x: x[0], parts))
+    identity = jnp.broadcast_to(jnp.eye(3, dtype=shape.dtype), shape.shape)
+    out = jax.lax.map(lambda a: jax.lax.cond(a[0], body, lambda _: identity, a[1]),
+                      (live, parts))
   return out.reshape((blocks * mb,) + out.shape[2:])[:n]
 
 

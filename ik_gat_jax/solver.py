@@ -24,13 +24,20 @@ the output BVH, written with exactly these offsets, reproduces `positions_fk`.
 Compilation. One jitted forward (model merged, deterministic) over `[b, J, 3]` with b a bucket:
 1, 2, 4, ... up to `block_size` (a power-of-two ladder, ending at `block_size`). A batch is
 padded (by repeating its last frame) to its bucket, so a live stream of single frames or small
-batches compiles at most once per bucket. Clips longer than `block_size` run in chunks of
-`block_size` (device memory bounded by `workers` blocks) with a progress bar on stderr; the last
-chunk goes to its own bucket when that is compiled already, else it is padded to a whole chunk,
-so a long clip never compiles a second shape (0.3 s from the persistent cache, seconds without).
-On the CPU, `workers` threads (`default_workers()`: the usable cores, up to MAX_WORKERS) run
-chunks at once, and a clip shorter than workers x block_size is cut into one chunk per worker
-(a bucket, at least one block of the network): the same outputs, 1.3x the frames/s on 2 cores.
+batches compiles at most once per bucket. A clip runs in chunks of at most `block_size` (device
+memory bounded by `workers` chunks), with a progress bar on stderr when longer than that. On the
+CPU the network runs a batch in blocks of 64 (`inference.micro_batch_size()`), and a clip of more
+than one block is cut at block boundaries into as few chunks as fit, their number a multiple of
+`workers`, the blocks shared out evenly (`IKSolver._chunk_plan`); every chunk runs in the
+`block_size` bucket, whose forward skips the blocks of its padding (`num_valid`): any clip
+length needs one compiled shape and computes at most one block of padding, and the `workers`
+threads (`default_workers()`: the usable cores, up to MAX_WORKERS) get equal work (before this,
+a 5,133-frame clip computed 6,144 frames, 3 chunks of 1,024 on one thread against 2 and 14 frames
+on the other). The same outputs, 1.3x the frames/s on 2 cores. On an accelerator, with a
+refinement (which runs on a chunk's every frame) or with `block_size` at most one block: chunks
+of `block_size`, or one per worker for a clip shorter than workers x block_size, the last in its
+own bucket when that is compiled already, else padded to a whole chunk, so a long clip never
+compiles a second shape (0.3 s from the persistent cache, seconds without).
 Each shape is compiled ahead (`lower().compile()`) once per solver; after the command line's
 `compile_cache.enable()`, a shape compiled by an earlier run is loaded whole from the
 executable cache (compile_cache.py), neither traced nor lowered.
@@ -426,14 +433,15 @@ def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None, 
   `refine` (an `iterative_ik.SolverConfig`): amortized + refine, a few anchored iterations of the
   rotation solver from IK-GAT's output (issues G1, J; BENCHMARKS.md), with the pose prior
   `prior` (`vposer.DecoderFn`, static) where given. `mirror`: test-time mirror averaging
-  (`inference.ikgat_infer`).
+  (`inference.ikgat_infer`). `num_valid` (int32 scalar or None): the positions' first that many
+  frames are the chunk, the rest its padding, whose blocks of the network are skipped.
   """
 
-  def forward(leaves, positions, offsets, B, full, sparse=None):
+  def forward(leaves, positions, offsets, B, full, sparse=None, num_valid=None):
     counter[0] += 1  # runs at trace time only: counts compilations
     state, prior_state = jax.tree.unflatten(treedef, leaves)
     local = _infer(graphdef, rig, refine, state, positions, offsets, B, sparse,
-                   (prior, prior_state) if prior is not None else None, mirror)
+                   (prior, prior_state) if prior is not None else None, mirror, num_valid)
     if not full:
       return {'local_rot': local}
     G, p = kinematics.forward_kinematics(local, offsets, rig.parents, root_pos=positions[:, 0])
@@ -445,13 +453,13 @@ def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None, 
 
 
 def _infer(graphdef, rig: Rig, refine, state, positions, offsets, B, sparse=None, prior=None,
-           mirror: bool = False):
+           mirror: bool = False, num_valid=None):
   """The network (mirror-averaged with `mirror`; + the optional refinement, with `prior =
   (DecoderFn, state)` where given): positions `[b, J, 3]` -> local `[b, J, 3, 3]`."""
   return inference.ikgat_infer(nnx.merge(graphdef, state),
                                {'positions': positions, 'bone_frames': B[None],
                                 'offsets': offsets, **(sparse or {})}, rig=rig, refine=refine,
-                               prior=prior, mirror=mirror)
+                               prior=prior, mirror=mirror, num_valid=num_valid)
 
 
 def _make_stream_step(graphdef, treedef, rig: Rig, counter: list[int], refine,
@@ -807,12 +815,16 @@ class IKSolver:
     if sparse is not None:  # numpy into the executable: its own transfer (~0.1 ms less per call)
       sparse = _numpy_inputs({k: pad(v) for k, v in sparse.items()})
     off, B, _ = subject
-    args = (self._leaves, np.asarray(pos, np.float32), off, B, sparse)
+    # A bucket the network runs in blocks: the chunk's frame count, so its padding's blocks
+    # are skipped (one shape serves every chunk size; `inference.ikgat_infer`).
+    mb = inference.micro_batch_size()
+    num_valid = np.int32(n) if mb and b > mb else None
+    args = (self._leaves, np.asarray(pos, np.float32), off, B, sparse, num_valid)
     return self._executable(full, args), args, n
 
   def _executable(self, full: bool, args: tuple):
     """The forward compiled ahead (`lower().compile()`) for `args` = (leaves, positions,
-    offsets, B, sparse): once per argument signature and process. Once the command line turned
+    offsets, B, sparse, num_valid): once per argument signature and process. Once the command line turned
     its caches on (`compile_cache.executables_dir()`), a signature compiled by an earlier run
     is loaded from the executable cache, skipping tracing and lowering too (0.3 s of a CLI
     solve); its entry's name hashes the model's graph definition, the refinement, the block
@@ -839,7 +851,7 @@ class IKSolver:
           f'{self._description}\n{signature}\n{jax.tree.structure(args[1:])}\n{avals}')
       exe = compile_cache.load_executable(key)
     if exe is None:
-      exe = self._forward.lower(args[0], *args[1:4], full, args[4]).compile()
+      exe = self._forward.lower(args[0], *args[1:4], full, *args[4:]).compile()
       if key is not None:
         compile_cache.store_executable(key, exe, args)
     self._executables[signature] = exe
@@ -886,39 +898,61 @@ class IKSolver:
       shapes.update(global_rot=(J, 3, 3), bone_aligned_rot=(J, 3, 3), positions_fk=(J, 3))
     out = {k: np.empty((T,) + s, np.float32) for k, s in shapes.items()}
     bar = _ProgressBar(T, T > self.block_size if progress is None else progress)
-    size = self._chunk_size(T)
-    starts = range(0, T, size)
     jobs = []
-    for start in starts:
-      part = None if sparse is None else {k: v[start:start + size] for k, v in sparse.items()}
-      n = min(size, T - start)
-      # A long clip's last chunk: its own bucket only when compiled already, else a whole chunk
-      # (another shape would trace, lower and compile: 0.3 s even from the persistent cache).
-      bucket = None
-      if T > size and self._signature(bucket_for(n, self.buckets), full,
-                                      part) not in self._compiled:
-        bucket = size
+    plan = self._chunk_plan(T)
+    for start, n, bucket in plan:
+      part = None if sparse is None else {k: v[start:start + n] for k, v in sparse.items()}
+      if bucket is None and len(plan) > 1 and self._signature(
+          bucket_for(n, self.buckets), full, part) not in self._compiled:
+        # A long clip's last chunk outside the blocked plan: its own bucket only when compiled
+        # already, else a whole chunk (another shape would trace, lower and compile).
+        bucket = plan[0][1]
       jobs.append(self._chunk_job(pos[start:start + n], subject, full, part, bucket))
     workers = min(self.workers, len(jobs))
     pool = concurrent.futures.ThreadPoolExecutor(workers) if workers > 1 else None
     try:
-      for start, chunk in zip(starts, pool.map(_execute, jobs) if pool else map(_execute, jobs)):
+      for (start, n, _), chunk in zip(plan, pool.map(_execute, jobs) if pool
+                                      else map(_execute, jobs)):
         for k, v in chunk.items():  # in order
           out[k][start:start + len(v)] = v
-        bar.update(min(start + size, T))
+        bar.update(start + n)
     finally:
       if pool is not None:
         pool.shutdown(cancel_futures=True)
     return out
 
-  def _chunk_size(self, T: int) -> int:
-    """Frames per chunk of a T-frame clip: `block_size`, or with several workers the bucket
-    that gives each worker a chunk (at least one block of the network, `micro_batch_size()`),
-    so a clip shorter than workers x block_size still runs on every core."""
-    mb = inference.micro_batch_size()
-    if self.workers <= 1 or not mb or T < 2 * mb or T >= self.workers * self.block_size:
-      return self.block_size
-    return bucket_for(min(max(-(-T // self.workers), mb), self.block_size), self.buckets)
+  def _chunk_plan(self, T: int) -> list[tuple[int, int, int | None]]:
+    """`(start, frames, bucket)` of each chunk of a T-frame clip, in order (bucket None: the
+    chunk's own, `bucket_for`).
+
+    Where the network runs in blocks (`inference.micro_batch_size()` below `block_size`, the
+    CPU) a clip of more than one block is cut at block boundaries into as few chunks as fit
+    `block_size`, their number rounded up to a multiple of `workers`, the blocks shared out
+    evenly; every chunk runs in the `block_size` bucket, which skips its padding's blocks
+    (`num_valid`). So a clip computes at most one block of padding, every worker gets the same
+    work within a block, and any clip length needs one compiled shape. Otherwise (an
+    accelerator, `block_size` at most one block, or a refinement, which runs on every frame of
+    a chunk, padding included) chunks of `block_size`, or with several workers and a clip
+    shorter than workers x block_size one chunk per worker (a bucket of at least one block)."""
+    S, mb = self.block_size, inference.micro_batch_size()
+    if T <= S and (not mb or S <= mb or T <= mb):
+      return [(0, T, None)]
+    if not mb or S <= mb or self.refine is not None:
+      size = S
+      if self.workers > 1 and mb and 2 * mb <= T < self.workers * S:
+        size = bucket_for(min(max(-(-T // self.workers), mb), S), self.buckets)
+      return [(start, min(size, T - start), None) for start in range(0, T, size)]
+    blocks, per_chunk = -(-T // mb), S // mb
+    chunks = -(-blocks // per_chunk)
+    if self.workers > 1:
+      chunks = min(blocks, -(-chunks // self.workers) * self.workers)
+    q, r = divmod(blocks, chunks)
+    plan, start = [], 0
+    for i in range(chunks):
+      n = min((q + (i < r)) * mb, T - start)
+      plan.append((start, n, S))
+      start += n
+    return plan
 
   def _filter_clip(self, out: dict[str, np.ndarray], pos: np.ndarray,
                    subject) -> dict[str, np.ndarray]:
@@ -1015,11 +1049,11 @@ class IKSolver:
     x = np.asarray(pos, np.float32)
     if sparse is not None:  # a window model's history, or one frame's sparse inputs
       sparse = _numpy_inputs(sparse)
-      args = (self._leaves, x, off, B, sparse)
+      args = (self._leaves, x, off, B, sparse, None)
       return np.asarray(self._executable(False, args)(*args)['local_rot'])[0]
     if self._step_exec is None:
-      self._step_exec = self._executable(False, (self._leaves, x, off, B, None))
-    return np.asarray(self._step_exec(self._leaves, x, off, B, None)['local_rot'])[0]
+      self._step_exec = self._executable(False, (self._leaves, x, off, B, None, None))
+    return np.asarray(self._step_exec(self._leaves, x, off, B, None, None)['local_rot'])[0]
 
   def solve_stream(self, frames: Iterable, offsets=None) -> Iterator[np.ndarray]:
     """Per item of `frames` (`[J, 3]` or a small batch `[b, J, 3]`, b <= block_size): its local

@@ -183,3 +183,19 @@ def test_blocked_forward_is_the_whole_batch_forward(cmu_dir):
     assert blocked.shape == whole.shape == (150, rig.num_joints, 3, 3)
     np.testing.assert_allclose(blocked, whole, atol=2e-5, rtol=0)
   assert np.abs(whole[1:] - whole[:-1]).max() > 1e-3  # distinct frames: a shuffle would show
+  # `num_valid` (traced, as the solver's chunks pass it): the wanted frames as before, a block
+  # holding none of them skipped (identity), one executable for every count.
+  counted = jax.jit(lambda p, b, k, mirror: inference.ikgat_infer(
+      model, {'positions': p, 'bone_frames': b, 'offsets': clip.offsets}, micro_batch=64,
+      num_valid=k, mirror=mirror), static_argnums=3)
+  for k in (150, 100, 64, 1):
+    got = np.asarray(counted(pos, B[None], np.int32(k), False))
+    np.testing.assert_allclose(got[:k], whole[:k], atol=2e-5, rtol=0)
+    live = -(-k // 64) * 64  # frames of the blocks computed
+    np.testing.assert_allclose(got[:live], whole[:live], atol=2e-5, rtol=0)
+    np.testing.assert_array_equal(got[live:], np.broadcast_to(np.eye(3), got[live:].shape))
+  assert counted._cache_size() == 1
+  mirrored = np.asarray(counted(pos, B[None], np.int32(150), True))
+  part = np.asarray(counted(pos, B[None], np.int32(70), True))  # blocks of the mirrored half too
+  np.testing.assert_allclose(part[:70], mirrored[:70], atol=2e-5, rtol=0)
+  assert np.abs(mirrored - whole).max() > 1e-3  # the mirrored half was computed and averaged in

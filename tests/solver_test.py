@@ -317,27 +317,66 @@ def test_long_clip_in_chunks_with_progress(tmp_path_factory, solver):
   assert small.trace_count == 2  # no new shape either way
 
 
+def _check_plan(solver, T):
+  """A clip's chunk plan covers its frames in order, each chunk within block_size."""
+  plan = solver._chunk_plan(T)
+  assert [p[0] for p in plan] == list(np.cumsum([0] + [p[1] for p in plan[:-1]]))
+  assert sum(p[1] for p in plan) == T and all(0 < p[1] <= solver.block_size for p in plan)
+  return plan
+
+
+def test_chunk_plan_balances_blocks_over_workers(tmp_path_factory):
+  """Where the network runs in blocks, a clip is cut at block boundaries into chunks that give
+  every worker the same number of blocks within one, computing at most one block of padding,
+  all in the block_size bucket; without blocks (block_size <= a block) or with a refinement,
+  chunks of block_size, or one per worker."""
+  ckpt = tiny_checkpoint(tmp_path_factory)
+  mb = inference.micro_batch_size()
+  for workers in (1, 2, 3):
+    solver = IKSolver.from_checkpoint(ckpt, workers=workers)
+    for T in (mb + 1, 5 * mb, 1024, 1025, 1918, 5133, 9 * 1024 + 5):
+      plan = _check_plan(solver, T)
+      blocks = [-(-n // mb) for _, n, _ in plan]
+      assert all(start % mb == 0 for start, _, _ in plan)
+      assert sum(blocks) == -(-T // mb)  # at most one block of padding in the whole clip
+      assert {b for _, _, b in plan} == {1024}
+      per_worker = [sum(blocks[w::workers]) for w in range(workers)]
+      assert max(per_worker) - min(per_worker) <= 1, (workers, T, plan)
+      assert len(plan) % workers == 0 or len(plan) == sum(blocks)  # or one block each
+      assert len(plan) < -(-T // 1024) + workers  # as few chunks as that allows
+  two = IKSolver.from_checkpoint(ckpt, workers=2)
+  assert two._chunk_plan(mb) == [(0, mb, None)]  # one block: its own bucket
+  assert two._chunk_plan(5 * mb) == [(0, 3 * mb, 1024), (3 * mb, 2 * mb, 1024)]
+  odd = IKSolver(inference.load_model(ckpt)[0], workers=4, block_size=mb - 24)
+  for T in range(2 * mb, 4 * mb):
+    assert all(b is None for _, _, b in _check_plan(odd, T))
+  refined = IKSolver.from_checkpoint(ckpt, workers=2, refine_iters=2)
+  assert [p[1] for p in _check_plan(refined, 5 * mb)] == [4 * mb, mb]  # one chunk per worker
+  assert [p[1] for p in _check_plan(refined, 3000)] == [1024, 1024, 952]
+
+
 def test_workers_solve_the_same_frames_in_order(tmp_path_factory):
   """Chunks run by two threads at once give every frame the one-thread solution, in order: a
   clip shorter than workers x block_size cut into one chunk per worker, and more chunks than
-  workers; a bad worker count is refused."""
+  workers; every clip longer than a block runs in one compiled shape; a bad worker count is
+  refused."""
   ckpt = tiny_checkpoint(tmp_path_factory)
   one = IKSolver.from_checkpoint(ckpt, workers=1)
   two = IKSolver.from_checkpoint(ckpt, workers=2)
   assert one.workers == 1 and two.workers == 2
   assert solver_lib.default_workers() >= 1
   mb = inference.micro_batch_size()
-  T = 5 * mb  # cut in two chunks of 4 blocks each, the second padded
-  assert one._chunk_size(T) == 1024 and two._chunk_size(T) == 4 * mb
-  assert two._chunk_size(mb) == 1024  # too short to share
-  odd = IKSolver(inference.load_model(ckpt)[0], workers=4, block_size=mb - 24)
-  assert all(odd._chunk_size(T) <= mb - 24 for T in range(2 * mb, 4 * mb))  # never > a block
+  T = 5 * mb
   pos = posed_clip(one.rig, one.offsets, T=T, seed=3, scale=0.3)
   a, b = one.solve(pos, full=True, progress=False), two.solve(pos, full=True, progress=False)
   for k in ('local_rot', 'global_rot', 'positions_fk'):
     np.testing.assert_allclose(getattr(b, k), getattr(a, k), atol=2e-5)
   three = IKSolver.from_checkpoint(ckpt, workers=2, block_size=mb)  # 5 chunks for 2 threads
   np.testing.assert_allclose(three.solve(pos, progress=False), a.local_rot, atol=2e-5)
+  before = two.trace_count
+  for n in (mb + 1, 2 * mb, 3 * mb + 7, T):  # every length in the block_size bucket
+    np.testing.assert_allclose(two.solve(pos[:n], progress=False), a.local_rot[:n], atol=2e-5)
+  assert two.trace_count == before + 1  # full=False: one more shape, then none
   for bad in (0, -1, 1.5, True):
     with pytest.raises(InputError, match='workers'):
       IKSolver.from_checkpoint(ckpt, workers=bad)
