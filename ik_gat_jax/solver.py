@@ -824,10 +824,10 @@ class IKSolver:
 
   def _executable(self, full: bool, args: tuple):
     """The forward compiled ahead (`lower().compile()`) for `args` = (leaves, positions,
-    offsets, B, sparse, num_valid): once per argument signature and process. Once the command line turned
-    its caches on (`compile_cache.executables_dir()`), a signature compiled by an earlier run
-    is loaded from the executable cache, skipping tracing and lowering too (0.3 s of a CLI
-    solve); its entry's name hashes the model's graph definition, the refinement, the block
+    offsets, B, sparse, num_valid): once per argument signature and process. Once the command
+    line turned its caches on (`compile_cache.executables_dir()`), a signature compiled by an
+    earlier run is loaded from the executable cache, skipping tracing and lowering too (0.3 s of
+    a CLI solve); its entry's name hashes the model's graph definition, the refinement, the block
     size of the forward and every argument's shape and dtype (compile_cache.py adds the
     code, versions, devices, CPU and flags)."""
     # positions [b, J, 3] and the sparse inputs vary; offsets and B are the rig's float32 arrays.
