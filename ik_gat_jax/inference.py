@@ -96,12 +96,26 @@ def _ikgat_loss(model, batch, key, config, rig, teacher=None):
            'velocity_rad': vel}
   if teacher is None:
     return loss, aux
-  target = jax.lax.stop_gradient(teacher(batch['input_positions'], deterministic=True,
-                                         **model_lib.extra_inputs(batch, teacher.config)))
+  target = jax.lax.stop_gradient(teacher_target(teacher, batch, config, rig))
   distill = jnp.mean(rotations.geodesic_angle(pred, target), axis=-1)
   if velocity:  # per sample: the mean over its two windows, as the loss
     distill = 0.5 * (distill[:distill.shape[0] // 2] + distill[distill.shape[0] // 2:])
   return loss + config.loss.get('distill_weight', 1.0) * distill, {**aux, 'distill_rad': distill}
+
+
+def teacher_target(teacher, batch: dict, config, rig: Rig) -> jax.Array:
+  """The distillation teacher's deterministic output (in its output space, which is the
+  student's) on an augmented batch. With `train.distill_mirror` the teacher is mirror-averaged
+  (`ikgat_infer(mirror=True)`: its own and its mirror image's solution, mapped back, at their
+  geodesic midpoint; 0.2 deg lower error than the network alone for the shipped base on val)
+  and brought back to the output space (`model.from_local`)."""
+  extra = model_lib.extra_inputs(batch, teacher.config)
+  if not config.train.get('distill_mirror', False):
+    return teacher(batch['input_positions'], deterministic=True, **extra)
+  local = ikgat_infer(teacher, {**batch, 'positions': batch['input_positions']},
+                      rig=rig, micro_batch=0, mirror=True)
+  return model_lib.from_local(local, batch['bone_frames'], rig, teacher.config.output_space,
+                              teacher.config.bone_chart)
 
 
 def window_of(config) -> int:

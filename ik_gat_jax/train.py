@@ -256,6 +256,8 @@ def load_teacher(source: str | os.PathLike, task: Task, config, rig: Rig) -> nnx
                      + ', '.join(f'{k} ({getattr(theirs, k)!r} vs {getattr(mine, k)!r})'
                                  for k in diff) + ': its outputs cannot be the targets')
   del meta
+  if config.train.get('distill_mirror', False):
+    inference.check_mirror_averaging(rig, 'turn off train.distill_mirror')
   return teacher
 
 
@@ -554,7 +556,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   teacher = None
   if tc.get('distill_from'):
     teacher = load_teacher(tc.distill_from, task, config, rig)
-    log(f'distilling from {tc.distill_from} (loss.distill_weight '
+    log(f'distilling from {tc.distill_from}'
+        f'{", mirror-averaged" if tc.get("distill_mirror", False) else ""} (loss.distill_weight '
         f'{config.loss.get("distill_weight", 1.0)})')
   train_step = make_train_step(task, graphdef, config, rig, mesh, teacher)
   predict = make_predict(task, graphdef, config, rig, mesh)

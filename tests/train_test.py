@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from ik_gat_jax import checkpointing, data, inference, input_pipeline, metrics, train
+from ik_gat_jax import model as model_lib
 
 
 def _fixed_batch(dataset, n):
@@ -234,6 +235,36 @@ def test_ctrl_c_mid_run_saves_and_resumes(cmu_shards, tmp_path):
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
   assert "resumed from" in done.stdout and json.loads(
       (workdir / 'run.json').read_text())['status'] == 'done'
+
+
+def test_mirror_averaged_teacher_targets_are_mirror_equivariant(cmu_shards, tiny_ikgat_run,
+                                                              tiny_config):
+  """`train.distill_mirror`: the teacher's target is its mirror-averaged solution
+  (`ikgat_infer(mirror=True)`) in its output space, and so mirror-equivariant: the target for a
+  batch's mirror image is the mirror image of the batch's target, which the network's own
+  output (the option off) is not."""
+  val = data.load_shards(cmu_shards, 'val')
+  rig = val.rig
+  c = tiny_config(cmu_shards, train=dict(distill_from=str(tiny_ikgat_run), distill_mirror=True))
+  teacher = train.load_teacher(tiny_ikgat_run, inference.IKGAT_TASK, c, rig)
+  batch = {k: jnp.asarray(v) for k, v in _fixed_batch(val, 12).items()}
+  mirrored = input_pipeline.mirror_batch(batch, jnp.ones(12, bool), rig)
+  batch, mirrored = ({**b, 'input_positions': b['positions']} for b in (batch, mirrored))
+
+  def local(b):
+    target = inference.teacher_target(teacher, b, c, rig)
+    return np.asarray(model_lib.to_local(target, b['bone_frames'], rig,
+                                         teacher.config.output_space, teacher.config.bone_chart))
+
+  on = local(batch)
+  np.testing.assert_allclose(
+      on, inference.ikgat_infer(teacher, batch, rig=rig, micro_batch=0, mirror=True), atol=2e-5)
+  mirror = lambda x: np.asarray(input_pipeline.mirror_local(jnp.asarray(x), rig))
+  np.testing.assert_allclose(local(mirrored), mirror(on), atol=1e-4)
+  c.train.distill_mirror = False
+  off = local(batch)
+  assert np.abs(local(mirrored) - mirror(off)).max() > 1e-2
+  assert np.abs(on - off).max() > 1e-2
 
 
 def test_distillation_adds_the_angle_to_the_teacher(cmu_shards, tiny_ikgat_run, tmp_path,

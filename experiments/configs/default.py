@@ -35,6 +35,10 @@ def get_config() -> ml_collections.ConfigDict:
       # inputs, any size); '' = none. The loss adds loss.distill_weight x the mean angle
       # between the model's output and the teacher's on the same augmented input.
       distill_from='',
+      # Distil from the teacher's mirror-averaged solution (inference.teacher_target: its own
+      # and its mirror image's, mapped back, at their midpoint; a rig symmetric in its
+      # reference pose only); absent in older runs' configs = off.
+      distill_mirror=False,
       # Exponential moving average of the parameters (train.ema_update; 0 = off, absent in
       # older runs' configs = off): validation, the `best` checkpoint and so every model loaded
       # from the run use the average; `latest` keeps both for resuming.
