@@ -245,6 +245,8 @@ def load_teacher(source: str | os.PathLike, task: Task, config, rig: Rig) -> nnx
   a cheaper student at the base model's accuracy). It must be for the same rig and predict in
   the same output space and chart (the loss compares the outputs directly) and take the same
   inputs (window, masks, sparse inputs); its size may differ."""
+  if config.train.get('distill_mirror', False):
+    inference.check_mirror_averaging(rig, 'set --config.train.distill_mirror=False')
   teacher, meta = inference.load_model(source, task, expected_rig=rig)
   mine = model_lib.ModelConfig.from_dict(config.model)
   theirs = teacher.config
@@ -256,8 +258,6 @@ def load_teacher(source: str | os.PathLike, task: Task, config, rig: Rig) -> nnx
                      + ', '.join(f'{k} ({getattr(theirs, k)!r} vs {getattr(mine, k)!r})'
                                  for k in diff) + ': its outputs cannot be the targets')
   del meta
-  if config.train.get('distill_mirror', False):
-    inference.check_mirror_averaging(rig, 'turn off train.distill_mirror')
   return teacher
 
 

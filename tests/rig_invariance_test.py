@@ -19,6 +19,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -27,12 +28,14 @@ from data_prep import conversion
 from data_prep import rerig
 from ik_gat_jax import bone_frames as bf
 from ik_gat_jax import data
+from ik_gat_jax import inference
 from ik_gat_jax import input_pipeline
 from ik_gat_jax import iterative_ik
 from ik_gat_jax import kinematics
 from ik_gat_jax import metrics
 from ik_gat_jax import rotations
 from ik_gat_jax import skeleton
+from ik_gat_jax import train
 from ik_gat_jax import vposer
 from ik_gat_jax.io import bvh
 from ik_gat_jax.io import retarget
@@ -263,6 +266,10 @@ def test_mirror_refuses_a_rig_whose_reference_pose_is_not_symmetric(rerigged):
   with pytest.raises(ValueError, match=r'not mirror-symmetric in its zero pose .* '
                      r'--config.augment.mirror=0'):
     input_pipeline.mirror_batch(batch, jnp.ones(1, bool), zero_pose)
+  distill = ml_collections.ConfigDict(dict(train=dict(distill_mirror=True)))
+  with pytest.raises(ValueError, match=r'^mirror averaging: rig .* not mirror-symmetric in its '
+                     r'zero pose .* --config.train.distill_mirror=False$'):
+    train.load_teacher('no/teacher/read', inference.IKGAT_TASK, distill, zero_pose)
   input_pipeline.check_mirror(rerigged['rig'])  # with its reference pose: fine
   input_pipeline.check_mirror(RIG)
 
