@@ -20,8 +20,9 @@ then without dropout (val 4.79; about 50 minutes):
       --config.model.dropout=0.0 --steps=12000 --config.train.lr=5e-4 --config.train.warmup_steps=200
 and at batch 512 (8,000 steps from runs/n_w192l2_nodrop, val 4.72) and then 1,024 (6,000 steps at
 lr 4e-4, val 4.68: the shipped opt-in checkpoints/ikgat_fast, whose card lists the whole chain).
-Distilling it further from the base's mirror-averaged solution (`--config.train.distill_mirror=True`,
-runs/manifest.json n_w192l2_mirror) gained 0.02 deg on val, lost 0.07 on the unseen subject.
+Distilling it further from the base's mirror-averaged solution
+(`--config.train.distill_mirror=True`, runs/manifest.json n_w192l2_mirror) gained 0.02 deg on
+val and lost 0.07 on the unseen subject.
 """
 
 from experiments.configs import distill
