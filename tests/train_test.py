@@ -251,19 +251,22 @@ def test_mirror_averaged_teacher_targets_are_mirror_equivariant(cmu_shards, tiny
   mirrored = input_pipeline.mirror_batch(batch, jnp.ones(12, bool), rig)
   batch, mirrored = ({**b, 'input_positions': b['positions']} for b in (batch, mirrored))
 
-  def local(b):
-    target = inference.teacher_target(teacher, b, c, rig)
-    return np.asarray(model_lib.to_local(target, b['bone_frames'], rig,
-                                         teacher.config.output_space, teacher.config.bone_chart))
+  def targets(config):  # local rotations of the targets; one compile per setting
+    to_local = lambda b: model_lib.to_local(
+        inference.teacher_target(teacher, b, config, rig), b['bone_frames'], rig,
+        teacher.config.output_space, teacher.config.bone_chart)
+    fn = jax.jit(to_local)
+    return [np.asarray(fn(b)) for b in (batch, mirrored)]
 
-  on = local(batch)
-  np.testing.assert_allclose(
-      on, inference.ikgat_infer(teacher, batch, rig=rig, micro_batch=0, mirror=True), atol=2e-5)
+  on, on_mirrored = targets(c)
+  averaged = jax.jit(lambda b: inference.ikgat_infer(teacher, b, rig=rig, micro_batch=0,
+                                                     mirror=True))(batch)
+  np.testing.assert_allclose(on, averaged, atol=2e-5)
   mirror = lambda x: np.asarray(input_pipeline.mirror_local(jnp.asarray(x), rig))
-  np.testing.assert_allclose(local(mirrored), mirror(on), atol=1e-4)
+  np.testing.assert_allclose(on_mirrored, mirror(on), atol=1e-4)
   c.train.distill_mirror = False
-  off = local(batch)
-  assert np.abs(local(mirrored) - mirror(off)).max() > 1e-2
+  off, off_mirrored = targets(c)
+  assert np.abs(off_mirrored - mirror(off)).max() > 1e-2
   assert np.abs(on - off).max() > 1e-2
 
 
