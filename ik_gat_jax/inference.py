@@ -109,9 +109,9 @@ def teacher_target(teacher, batch: dict, config, rig: Rig) -> jax.Array:
   (`ikgat_infer(mirror=True)`: its own and its mirror image's solution, mapped back, at their
   geodesic midpoint; 0.2 deg lower error than the network alone for the shipped base on val)
   and brought back to the output space (`model.from_local`)."""
-  extra = model_lib.extra_inputs(batch, teacher.config)
   if not config.train.get('distill_mirror', False):
-    return teacher(batch['input_positions'], deterministic=True, **extra)
+    return teacher(batch['input_positions'], deterministic=True,
+                   **model_lib.extra_inputs(batch, teacher.config))
   local = ikgat_infer(teacher, {**batch, 'positions': batch['input_positions']},
                       rig=rig, micro_batch=0, mirror=True)
   return model_lib.from_local(local, batch['bone_frames'], rig, teacher.config.output_space,

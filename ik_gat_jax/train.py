@@ -257,6 +257,11 @@ def load_teacher(source: str | os.PathLike, task: Task, config, rig: Rig) -> nnx
     raise ValueError(f'distillation teacher {source} differs from this model in '
                      + ', '.join(f'{k} ({getattr(theirs, k)!r} vs {getattr(mine, k)!r})'
                                  for k in diff) + ': its outputs cannot be the targets')
+  if config.train.get('distill_mirror', False) and (theirs.orientation_inputs or
+                                                    theirs.end_sites):
+    raise ValueError(f'train.distill_mirror: teacher {source} takes orientations or end sites, '
+                     'which mirror averaging cannot mirror: set '
+                     '--config.train.distill_mirror=False')
   del meta
   return teacher
 

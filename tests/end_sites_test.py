@@ -193,6 +193,12 @@ def test_solver_end_sites(rig, tmp_path):
   checkpointing.Checkpointer(tmp_path / 'es', max_to_keep=1).save(
       0, {'params': params, 'rest': rest},
       train.checkpoint_meta(config, rig, inference.IKGAT_TASK, {}, {}))
+  distill = test_config.get_config()  # a student of it cannot learn its mirror average
+  distill.model.update(end_sites=True)
+  distill.train.update(distill_mirror=True)
+  with pytest.raises(ValueError, match=r'^train.distill_mirror: teacher .* takes orientations or '
+                     r'end sites.* --config.train.distill_mirror=False$'):
+    train.load_teacher(tmp_path / 'es', inference.IKGAT_TASK, distill, rig)
   solver = IKSolver.from_checkpoint(tmp_path / 'es')
   pos, ends, given = _inputs(rig)
   pos = np.asarray(pos) + np.asarray(rig.template())[None]  # plausible enough: no warnings
