@@ -10,6 +10,17 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.5')
 # The command line's parameter cache (compile_cache.py) of the CLI runs the tests start: in the
 # checkout's ignored .jax_cache, not the user's ~/.cache.
 os.environ.setdefault('XDG_CACHE_HOME', str(REPO / '.jax_cache' / 'xdg'))
+# XLA's CPU backend at LLVM optimisation level 0 in the tests (their subprocesses inherit it),
+# unless XLA_FLAGS names a level: the suite compiles hundreds of small programs and runs most of
+# them a few times, and LLVM's passes were most of its compile time (a fresh clone on 2 cores:
+# 644 s against 734 s at level 1 and 753-771 s at XLA's default 3; BENCHMARKS.md "Suite time").
+# The programs compute the same functions, up to float32 rounding (so two programs are compared
+# within a tolerance, as tests/end_sites_test.py's ULP_TOL). A test that runs one program for
+# long asks for XLA's default back (train_test's overfit test: `jax.jit(...,
+# compiler_options={'xla_backend_optimization_level': 3})`).
+if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             ' --xla_backend_optimization_level=0').strip()
 
 import ik_gat_jax  # noqa: E402,F401  (XLA workaround before any computation)
 import jax  # noqa: E402
