@@ -56,7 +56,9 @@ def runs(cmu_shards, tmp_path_factory):
   base = {k: v for k, v in os.environ.items()
           if not k.startswith(('JAX_COORDINATOR', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'))}
   base.update(JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
-  base.pop('XLA_FLAGS', None)  # one CPU device per process
+  # One CPU device per process: of XLA_FLAGS only the suite's optimisation level (conftest.py).
+  base['XLA_FLAGS'] = ' '.join(f for f in base.pop('XLA_FLAGS', '').split()
+                               if f.startswith('--xla_backend_optimization_level'))
   procs = {}
   for p in range(2):
     env = {**base, 'JAX_COORDINATOR_ADDRESS': f'127.0.0.1:{port}', 'JAX_NUM_PROCESSES': '2',

@@ -26,7 +26,9 @@ def scale_check(cmu_shards, tmp_path_factory):
   """The JSON of `python -m experiments.scale_check --cpu_devices=8` on the CMU test shards."""
   out = tmp_path_factory.mktemp('scale') / 'scale.json'
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
-         'XLA_FLAGS': f'--xla_force_host_platform_device_count={DEVICES}'}
+         'XLA_FLAGS': ' '.join([f'--xla_force_host_platform_device_count={DEVICES}'] + [
+             f for f in os.environ.get('XLA_FLAGS', '').split()  # the suite's level
+             if f.startswith('--xla_backend_optimization_level')])}
   proc = subprocess.run(
       [sys.executable, '-m', 'experiments.scale_check', f'--data={cmu_shards}',
        f'--cpu_devices={DEVICES}', '--steps=20', f'--json={out}'],
