@@ -12,8 +12,8 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.5')
 os.environ.setdefault('XDG_CACHE_HOME', str(REPO / '.jax_cache' / 'xdg'))
 # XLA's CPU backend at LLVM optimisation level 0 in the tests (their subprocesses inherit it),
 # unless XLA_FLAGS names a level: the suite compiles hundreds of small programs and runs most of
-# them a few times, and LLVM's passes were most of its compile time (a fresh clone on 2 cores:
-# 644 s against 734 s at level 1 and 753-771 s at XLA's default 3; BENCHMARKS.md "Suite time").
+# them a few times, and LLVM's passes were most of its compile time (fresh clones on 2 cores,
+# back to back: 437 s against 663 s at XLA's default 3; BENCHMARKS.md "Suite time").
 # The programs compute the same functions, up to float32 rounding (so two programs are compared
 # within a tolerance, as tests/end_sites_test.py's ULP_TOL). A test that runs one program for
 # long asks for XLA's default back (train_test's overfit test: `jax.jit(...,
@@ -21,6 +21,8 @@ os.environ.setdefault('XDG_CACHE_HOME', str(REPO / '.jax_cache' / 'xdg'))
 if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                              ' --xla_backend_optimization_level=0').strip()
+LEVEL_FLAGS = [f for f in os.environ['XLA_FLAGS'].split()
+               if f.startswith('--xla_backend_optimization_level')]
 
 import ik_gat_jax  # noqa: E402,F401  (XLA workaround before any computation)
 import jax  # noqa: E402
@@ -30,6 +32,38 @@ jax.config.update('jax_compilation_cache_dir', os.environ['JAX_COMPILATION_CACHE
 
 CMU_DIR = REPO.parent / 'shared' / 'data' / 'cmu'
 IN_CI = os.environ.get('CI', '').lower() in ('1', 'true', 'yes')
+
+
+@pytest.fixture(scope='session')
+def xla_level_flags() -> list[str]:
+  """The suite's optimisation-level flag, for subprocess tests that set their own XLA_FLAGS."""
+  return list(LEVEL_FLAGS)
+
+
+# IK_GAT_COMPILE_REPORT=DIR: each test process writes DIR/<pid>.json, the seconds of JAX's
+# monitoring events (compiles: /jax/core/compile/*) per test id (BENCHMARKS.md "Suite time").
+if os.environ.get('IK_GAT_COMPILE_REPORT'):
+  import atexit
+  import collections
+  import json
+  from jax import monitoring
+  _current = ['<collection>']
+  _seconds = collections.defaultdict(lambda: collections.defaultdict(float))
+  monitoring.register_event_duration_secs_listener(
+      lambda event, secs, **_: _seconds[_current[0]].__setitem__(
+          event, _seconds[_current[0]][event] + secs))
+
+  @pytest.hookimpl(hookwrapper=True)
+  def pytest_runtest_protocol(item, nextitem):
+    del nextitem
+    _current[0] = item.nodeid
+    yield
+
+  def _write_report(folder=Path(os.environ['IK_GAT_COMPILE_REPORT'])):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f'{os.getpid()}.json').write_text(json.dumps(_seconds))
+
+  atexit.register(_write_report)
 
 
 def require_cmu() -> Path:

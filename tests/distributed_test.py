@@ -49,7 +49,7 @@ def _log(workdir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope='module')
-def runs(cmu_shards, tmp_path_factory):
+def runs(cmu_shards, tmp_path_factory, xla_level_flags):
   """Two processes (one workdir) and one process (another), all three started at once."""
   root = tmp_path_factory.mktemp('distributed')
   port = _free_port()
@@ -57,8 +57,7 @@ def runs(cmu_shards, tmp_path_factory):
           if not k.startswith(('JAX_COORDINATOR', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'))}
   base.update(JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
   # One CPU device per process: of XLA_FLAGS only the suite's optimisation level (conftest.py).
-  base['XLA_FLAGS'] = ' '.join(f for f in base.pop('XLA_FLAGS', '').split()
-                               if f.startswith('--xla_backend_optimization_level'))
+  base['XLA_FLAGS'] = ' '.join(xla_level_flags)
   procs = {}
   for p in range(2):
     env = {**base, 'JAX_COORDINATOR_ADDRESS': f'127.0.0.1:{port}', 'JAX_NUM_PROCESSES': '2',

@@ -22,13 +22,12 @@ DEVICES = 8
 
 
 @pytest.fixture(scope='module')
-def scale_check(cmu_shards, tmp_path_factory):
+def scale_check(cmu_shards, tmp_path_factory, xla_level_flags):
   """The JSON of `python -m experiments.scale_check --cpu_devices=8` on the CMU test shards."""
   out = tmp_path_factory.mktemp('scale') / 'scale.json'
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
-         'XLA_FLAGS': ' '.join([f'--xla_force_host_platform_device_count={DEVICES}'] + [
-             f for f in os.environ.get('XLA_FLAGS', '').split()  # the suite's level
-             if f.startswith('--xla_backend_optimization_level')])}
+         'XLA_FLAGS': ' '.join([f'--xla_force_host_platform_device_count={DEVICES}'] +
+                               xla_level_flags)}  # and the suite's optimisation level
   proc = subprocess.run(
       [sys.executable, '-m', 'experiments.scale_check', f'--data={cmu_shards}',
        f'--cpu_devices={DEVICES}', '--steps=20', f'--json={out}'],
