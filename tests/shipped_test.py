@@ -41,7 +41,7 @@ def subject_07(cmu_dir, tmp_path_factory):
 @pytest.mark.parametrize('name', ['ikgat_base', 'ikgat_fast'])
 def test_shipped_ikgat_reproduces_its_unseen_subject_metrics(subject_07, name):
   """Subject 07 (the unseen-subject test part), converted here, scored as on the card; the
-  opt-in fast model (issue N) also stays behind the base by what its card says.
+  real-time model (issue N item 3) also scores at or under the base's error there.
 
   The card was computed on another machine. Tolerance: float32 round-off moves each output
   rotation entry by ~3e-6 (tests/masking_test.py measures it), hence each geodesic angle (atan2
@@ -56,11 +56,12 @@ def test_shipped_ikgat_reproduces_its_unseen_subject_metrics(subject_07, name):
   assert r['frames'] == expect['frames']
   for k in ('local_rot_err_deg', 'twist_err_deg', 'mpjpe_mm'):
     np.testing.assert_allclose(r[k], expect[k], rtol=2e-3, err_msg=k)
-  if name == 'ikgat_fast':  # fewer FLOPs than the base, within 1 deg of its accuracy
+  if name == 'ikgat_fast':  # a fifth of the FLOPs, at or under the base's error (issue N item 3)
     model, _ = inference.load_model(SHIPPED / name)
-    assert model.config.dims[:2] == (192, 2)
+    assert model.config.dims[:2] == (128, 3)
     base = json.loads((SHIPPED / 'ikgat_base' / 'test_metrics.json').read_text())
-    assert abs(card['local_rot_err_deg'] - base['local_rot_err_deg']) < 1
+    assert card['local_rot_err_deg'] <= base['local_rot_err_deg']
+    assert r['local_rot_err_deg'] <= base['per_part']['unseen_subject']['local_rot_err_deg']
 
 
 def test_cmu_clip_bvh_solve_bvh_with_the_shipped_model(cmu_dir, tmp_path):
