@@ -19,10 +19,15 @@ then without dropout (val 4.79; about 50 minutes):
       --config=experiments/configs/fast.py --config.train.init_from=runs/n_w192l2_long \
       --config.model.dropout=0.0 --steps=12000 --config.train.lr=5e-4 --config.train.warmup_steps=200
 and at batch 512 (8,000 steps from runs/n_w192l2_nodrop, val 4.72) and then 1,024 (6,000 steps at
-lr 4e-4, val 4.68: the shipped opt-in checkpoints/ikgat_fast, whose card lists the whole chain).
-Distilling it further from the base's mirror-averaged solution
-(`--config.train.distill_mirror=True`, runs/manifest.json n_w192l2_mirror) gained 0.02 deg on
-val and lost 0.07 on the unseen subject.
+lr 4e-4, val 4.68; the opt-in checkpoints/ikgat_fast of sessions 23-26). Distilling it further
+from the base's mirror-averaged solution (`--config.train.distill_mirror=True`, runs/manifest.json
+n_w192l2_mirror) gained 0.02 deg on val and lost 0.07 on the unseen subject.
+
+The shipped checkpoints/ikgat_fast (session 27) is this config at 3 blocks of 128 instead
+(`--config.model.hidden=128 --config.model.num_layers=3`: 71K parameters, 3.2x the base's
+frames/s) through the same chain, its no-dropout and batch-512 steps in one: val 5.14 after
+15,000 steps, 4.90 after 24,000 more, 4.61 at batch 512, 4.57 at 1,024, at or under the base's
+error clean and with noise (its card lists the four commands; runs/manifest.json n_w128l3*).
 """
 
 from experiments.configs import distill
