@@ -38,8 +38,12 @@ SHIPPED_PRIOR = REPO / 'checkpoints' / 'prior'
 
 
 def checkpoint_path(path: str | os.PathLike) -> Path:
-  """A training workdir -> its `checkpoints/best`; a checkpoint directory -> itself."""
+  """A training workdir -> its `checkpoints/best`; a checkpoint directory -> itself; the bare
+  name of a shipped checkpoint that is not a directory here (e.g. 'ikgat_fast') -> it under
+  `REPO/checkpoints`, so the shipped models load by name from any working directory."""
   path = Path(path)
+  if not path.exists() and len(path.parts) == 1 and (REPO / 'checkpoints' / path).is_dir():
+    path = REPO / 'checkpoints' / path
   best = path / 'checkpoints' / 'best'
   return best if best.is_dir() else path
 

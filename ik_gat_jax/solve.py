@@ -293,7 +293,8 @@ def define_flags() -> None:
   s('input', None, 'Positions: .npz (positions [T,J,3]), .csv (J*3 columns per row) or .bvh.')
   s('output', None, 'Result: .bvh, .npz, .smpl.npz (SMPL pose parameters, smpl22 only), '
     '.glb (glTF 2.0 binary, animated rig with a box body) or .fbx (the same via Blender).')
-  s('checkpoint', None, 'Run or checkpoint directory (default: the shipped checkpoint).')
+  s('checkpoint', None, 'Run or checkpoint directory, or a shipped checkpoint by name, e.g. '
+    'ikgat_fast (default: the shipped ikgat_base).')
   s('rig', None, 'Refuse a checkpoint that is not for this rig (name or rig JSON).')
   s('offsets_from', None, 'BVH whose rest offsets are the subject (default: the input BVH\'s '
     'own, an npz\'s `offsets`, else the checkpoint template).')

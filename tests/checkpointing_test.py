@@ -238,3 +238,16 @@ def test_model_config_diff():
   assert train.model_config_diff({'size': 'tiny'}, {'size': 'tiny', 'joint_mask': False}) == []
   assert train.model_config_diff({'size': 'tiny'}, {'size': 'tiny', 'joint_mask': True}) == \
       ['joint_mask']
+
+
+def test_a_shipped_checkpoint_loads_by_name_from_anywhere(tmp_path, monkeypatch):
+  """`--checkpoint=ikgat_fast` from any working directory: a bare name that is not a directory
+  here is the shipped checkpoint of that name; a directory of that name here wins."""
+  monkeypatch.chdir(tmp_path)
+  shipped = inference.REPO / 'checkpoints' / 'ikgat_fast'
+  assert inference.checkpoint_path('ikgat_fast') == shipped
+  _, meta = inference.load_model('ikgat_fast')
+  assert meta['task'] == 'ikgat'
+  assert inference.checkpoint_path('no_such_model') == Path('no_such_model')
+  (tmp_path / 'ikgat_fast').mkdir()
+  assert inference.checkpoint_path('ikgat_fast') == Path('ikgat_fast')
