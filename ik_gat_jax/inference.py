@@ -33,17 +33,25 @@ from ik_gat_jax.errors import CheckpointError
 from ik_gat_jax.skeleton import Rig
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED_IKGAT = REPO / 'checkpoints' / 'ikgat_base'
-SHIPPED_PRIOR = REPO / 'checkpoints' / 'prior'
+SHIPPED = REPO / 'checkpoints'  # the shipped checkpoints, each loadable by its bare name
+SHIPPED_IKGAT = SHIPPED / 'ikgat_base'
+SHIPPED_PRIOR = SHIPPED / 'prior'
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+  """`path` as given; the bare name of a shipped checkpoint that is not a file or directory
+  here (e.g. 'ikgat_fast') -> it under SHIPPED, so the shipped models load by name from any
+  working directory (a local directory of that name wins)."""
+  path = Path(path)
+  if not path.exists() and len(path.parts) == 1 and (SHIPPED / path).is_dir():
+    return SHIPPED / path
+  return path
 
 
 def checkpoint_path(path: str | os.PathLike) -> Path:
-  """A training workdir -> its `checkpoints/best`; a checkpoint directory -> itself; the bare
-  name of a shipped checkpoint that is not a directory here (e.g. 'ikgat_fast') -> it under
-  `REPO/checkpoints`, so the shipped models load by name from any working directory."""
-  path = Path(path)
-  if not path.exists() and len(path.parts) == 1 and (REPO / 'checkpoints' / path).is_dir():
-    path = REPO / 'checkpoints' / path
+  """A training workdir -> its `checkpoints/best`; a checkpoint directory -> itself; a shipped
+  checkpoint's bare name -> it (`resolve_checkpoint`)."""
+  path = resolve_checkpoint(path)
   best = path / 'checkpoints' / 'best'
   return best if best.is_dir() else path
 

@@ -683,6 +683,7 @@ class IKSolver:
       path = inference.SHIPPED_IKGAT
     if isinstance(expected_rig, str):
       expected_rig = get_rig(expected_rig)
+    path = inference.resolve_checkpoint(path)  # a shipped name -> its directory (the source)
     model, meta = inference.load_model(path, expected_rig=expected_rig)
     gat.set_form(model, attention)  # static: before the forward is built
     if offsets_from is not None:

@@ -244,8 +244,9 @@ def test_a_shipped_checkpoint_loads_by_name_from_anywhere(tmp_path, monkeypatch)
   """`--checkpoint=ikgat_fast` from any working directory: a bare name that is not a directory
   here is the shipped checkpoint of that name; a directory of that name here wins."""
   monkeypatch.chdir(tmp_path)
-  shipped = inference.REPO / 'checkpoints' / 'ikgat_fast'
-  assert inference.checkpoint_path('ikgat_fast') == shipped
+  shipped = inference.SHIPPED / 'ikgat_fast'
+  assert inference.checkpoint_path('ikgat_fast') == shipped == inference.resolve_checkpoint(
+      'ikgat_fast')
   _, meta = inference.load_model('ikgat_fast')
   assert meta['task'] == 'ikgat'
   assert inference.checkpoint_path('no_such_model') == Path('no_such_model')
