@@ -210,10 +210,11 @@ def train_all(root: Path, data: str, steps: int) -> None:
 
 
 def _flops(method, batch: dict) -> float:
-  """XLA's FLOPs per frame on 64 frames: one block (a bigger batch runs as a loop of blocks on
-  the CPU, `inference.micro_batch_size`, whose body XLA counts once)."""
-  return iterative_ik.flops_per_frame(method.solve, np.asarray(batch['positions'][:64]),
-                                      np.asarray(batch['offsets'][:64]))
+  """XLA's FLOPs per frame on one block of frames (a bigger batch runs as a loop of blocks on
+  the CPU, whose body XLA counts once; `inference.flop_frames`)."""
+  n = inference.flop_frames()
+  return iterative_ik.flops_per_frame(method.solve, np.asarray(batch['positions'][:n]),
+                                      np.asarray(batch['offsets'][:n]))
 
 
 def _forward_fps(method, positions, offsets, batch: int = 1024, reps: int = 7) -> float:

@@ -13,7 +13,7 @@ matmul timed minutes earlier.
 No input checks or host conversions: the floor under `IKSolver.step`. `--attention=dense|sparse`
 forces one form of the graph attention (the same function; gat.py) for comparison, and
 `--micro_batch=N` the block size of a batch (`inference.ikgat_infer`; 0: the batch at once;
-default: the backend's, 64 on the CPU). `--threads=N` splits each batch into N equal parts run
+default: the backend's, 32 on the CPU). `--threads=N` splits each batch into N equal parts run
 at once by N threads on the same executable, as the solver's clip path runs its chunks
 (`solver.default_workers()`; a batch that N does not divide runs whole): XLA's CPU runtime runs
 one executable's many small kernels one after another, so two at once use two cores better.

@@ -606,7 +606,7 @@ def init_section(ctx: Context, accuracy: dict[str, dict]) -> dict[str, dict[str,
 
 def _flops(ctx: Context, name: str) -> float:
   """FLOPs per frame (XLA cost analysis; iterative: one iteration times the budget)."""
-  p, o = ctx.inputs(min(64, ctx.config.batch_sizes[0]))
+  p, o = ctx.inputs(inference.flop_frames(min(64, ctx.config.batch_sizes[0])))
   kind, sc = ctx.kinds[name], solver_config(ctx.config)
   if kind == 'iterative_noprior':
     return iterative_ik.solver_flops_per_frame(p, o, ctx.rig, sc)

@@ -16,16 +16,19 @@ come from one batched matmul each (measured on this CPU: about 2x faster than a 
 
 Two evaluations of the same function (`GraphAttention.form`): 'dense' multiplies the masked
 `[J, J]` attention by the messages, one small matmul per example and head; 'sparse' sums each
-node's own neighbours (static slices, 61 terms on the 21-joint CMU tree instead of 441) and
-gets the GAT scores from one block-diagonal matmul. 'auto' takes dense for fewer than
-SPARSE_FROM examples (a live frame: dense is 0.035 ms faster per layer) and in training (the
-sparse gradient compiles 2.5x slower), sparse for inference from there (the whole base model
-1.1-1.5x the frames/s at batch 64-1024; BENCHMARKS.md "Throughput"). The default is 'dense'
-(compile time, see `GraphAttention.form`); `set_form` switches a model's layers.
+node's own neighbours (static slices, 61 terms on the 21-joint CMU tree instead of 441), and
+for 'gat' scoring takes the softmax over each node's padded neighbour list (`[J, max degree]`,
+no `[J, J]` logits) with both scores from one `[D, 2 H]` matmul on the layer's input
+(`_sparse_gat`). 'auto' takes dense for fewer than SPARSE_FROM examples (a live frame: dense is
+faster) and in training (the sparse gradient compiles 2.5x slower), sparse for inference from
+there (the base model 1.4x dense's frames/s at batch 1,024 on two cores; BENCHMARKS.md "Close
+to the machine"). The default is 'dense' (compile time, see `GraphAttention.form`); `set_form`
+switches a model's layers.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -60,7 +63,7 @@ class GraphAttention(nnx.Module):
     self.value = nnx.Linear(in_features, out_features, rngs=rngs)  # W: the messages
     # How __call__ evaluates the (same) function (static, not state): 'dense' (the attention
     # as a batched [J, J] @ [J, C] product per example and head), 'sparse' (each node's sum over
-    # its own neighbours as static slices, the GAT scores as one block-diagonal matmul; no
+    # its own neighbours as static slices, the GAT softmax over each node's padded senders; no
     # batched small dots, no transposes) or 'auto' (sparse from SPARSE_FROM examples on in
     # inference, dense below and in training). Default 'dense': the sparse form compiles 1.5x
     # (forward) to 2.5x (gradient) slower, far more on the full graph, which made the test
@@ -106,14 +109,35 @@ class GraphAttention(nnx.Module):
     logits = jnp.where(mask, logits.astype(jnp.float32), _NEG)
     return jax.nn.softmax(logits, axis=-1).astype(wh.dtype), wh
 
-  def _gat_scores(self, flat: jax.Array) -> jax.Array:
-    """'gat' scores from the messages `flat [..., J, H * C]` by one matmul with the
-    block-diagonal `[H * C, 2 H]` of `attn` -> `[..., H, J, 2]` (a_dst, a_src)."""
-    a = self.attn[...]
+  def _sparse_gat(self, h: jax.Array) -> jax.Array:
+    """The 'gat' attention in the sparse form, `h: [..., J, D]` -> `[..., J, H * C]`. The
+    softmax runs over each node's own senders, padded to the largest degree (`[..., J, deg,
+    H]`: 105 entries on the 21-joint tree instead of the `[J, J]` masked 441, whose softmax was
+    12% of a batched forward; BENCHMARKS.md issue N session 28), and each node's weighted sum
+    of its senders' messages is elementwise work on static slices, one fused kernel per node.
+    Both scores of every node come from one `[D, 2 H]` matmul on `h` (`W A`, bias `b A`)
+    instead of from the messages with their bias added. The same function as `weights`
+    (softmax in float32; the bias, whose weights sum to 1, added after the sum) up to float32
+    round-off (tests/gat_test.py)."""
     H, C = self.num_heads, self.head_dim
-    block = (jnp.eye(H, dtype=a.dtype)[:, None, :, None] * a[:, :, None, :]).reshape(H * C, 2 * H)
-    s = (flat @ block).reshape(*flat.shape[:-1], H, 2)
-    return jnp.swapaxes(s, -2, -3)
+    kernel, bias, a = self.value.kernel[...], self.value.bias[...], self.attn[...]
+    score_w = jnp.einsum('dhc,hck->dhk', kernel.reshape(-1, H, C), a).reshape(-1, 2 * H)
+    score_b = jnp.einsum('hc,hck->hk', bias.reshape(H, C), a).reshape(2 * H)
+    s = (h @ score_w + score_b).reshape(*h.shape[:-1], H, 2).astype(jnp.float32)
+    wh = (h @ kernel).reshape(*h.shape[:-1], H, C)  # messages without their bias
+    senders = [[k for k, on in enumerate(row) if on] for row in self.adjacency]
+    deg = max(len(x) for x in senders)
+    idx = np.asarray([x + [x[0]] * (deg - len(x)) for x in senders])  # [J, deg]
+    valid = np.asarray([[j < len(x) for j in range(deg)] for x in senders])
+    logits = nnx.leaky_relu(s[..., :, None, :, 0] + jnp.take(s[..., 1], idx, axis=-2),
+                            self.negative_slope)
+    logits = jnp.where(valid[:, :, None], logits, _NEG)  # [..., J, deg, H]
+    attn = jax.nn.softmax(logits, axis=-2).astype(wh.dtype)
+    out = []
+    for i, ks in enumerate(senders):
+      terms = [attn[..., i, j, :, None] * wh[..., k, :, :] for j, k in enumerate(ks)]
+      out.append(functools.reduce(jnp.add, terms) + bias.reshape(H, C))
+    return jnp.stack(out, axis=-3).reshape(*h.shape[:-1], H * C)
 
   def __call__(self, h: jax.Array, *, training: bool = False) -> jax.Array:
     """`attn @ messages` of `weights`, heads concatenated, in the layer's `form`. `training`
@@ -128,17 +152,10 @@ class GraphAttention(nnx.Module):
       attn, wh = self.weights(h)
       return (attn @ wh).swapaxes(-2, -3).reshape(*h.shape[:-1], H * C)
     if self.scoring == 'gat' and self.aggregation == 'attention':
-      flat = self.value(h)
-      s = self._gat_scores(flat)
-      logits = nnx.leaky_relu(s[..., :, None, 0] + s[..., None, :, 1], self.negative_slope)
-      mask = np.asarray(self.adjacency, dtype=bool)
-      attn = jax.nn.softmax(jnp.where(mask, logits.astype(jnp.float32), _NEG),
-                            axis=-1).astype(flat.dtype)
-      wh = flat.reshape(*flat.shape[:-1], H, C)  # [..., J, H, C]
-    else:
-      attn, wh = self.weights(h)  # 'mean': attn is the [J, J] neighbour average
-      attn = jnp.broadcast_to(attn, wh.shape[:-2] + attn.shape[-2:])
-      wh = wh.swapaxes(-2, -3)
+      return self._sparse_gat(h)
+    attn, wh = self.weights(h)  # 'mean': attn is the [J, J] neighbour average
+    attn = jnp.broadcast_to(attn, wh.shape[:-2] + attn.shape[-2:])
+    wh = wh.swapaxes(-2, -3)
     out = []
     for i, row in enumerate(self.adjacency):  # node i: its senders k, static slices
       terms = [attn[..., :, i, k, None] * wh[..., k, :, :] for k, on in enumerate(row) if on]

@@ -151,15 +151,24 @@ def training_window(config) -> int:
   return window_of(config) + (1 if velocity_weight(config) > 0 else 0)
 
 
-MICRO_BATCH_CPU = 64
+MICRO_BATCH_CPU = 32
 
 
 def micro_batch_size() -> int:
-  """Examples per block of `ikgat_infer` on this backend: 64 on the CPU, where a bigger
+  """Examples per block of `ikgat_infer` on this backend: 32 on the CPU, where a bigger
   batch's activations leave the cache (the base network at batch 256-4,096 then runs at about
-  its batch-64 rate, 1.35-1.6x; BENCHMARKS.md "Blocks"); 0 (the batch at once) on
-  accelerators, which want it whole."""
+  its small-batch rate, 1.35-1.6x; BENCHMARKS.md "Blocks"; 64 until session 28, when the
+  sparse form's per-node kernels made blocks of 16-32 1.05-1.1x faster than 64 at batch 1,024
+  on two cores, "Per-node softmax"); 0 (the batch at once) on accelerators, which want it
+  whole."""
   return MICRO_BATCH_CPU if jax.default_backend() == 'cpu' else 0
+
+
+def flop_frames(limit: int = 64) -> int:
+  """Frames to count a forward's FLOPs per frame on: at most one block (XLA's cost analysis
+  counts a loop body once whatever its trip count, so a batch of several blocks would read
+  low), at most `limit`."""
+  return min(limit, micro_batch_size() or limit)
 
 
 def ikgat_infer(model, batch, config=None, rig=None,

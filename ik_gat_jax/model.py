@@ -135,18 +135,20 @@ def elu(x: jax.Array) -> jax.Array:
 
 def layer_norm(norm: nnx.LayerNorm, x: jax.Array) -> jax.Array:
   """`norm(x)` (flax's LayerNorm over the last axis: fast variance E[x^2] - E[x]^2 clipped at 0,
-  its epsilon, scale and bias; statistics in at least float32) with both row statistics from
-  one matrix-vector product of `[..., 2, d]` (x and x^2) with 1/d. XLA's CPU backend otherwise
-  splits each mean over d > 32 into a squared copy, two windowed partial sums and a final sum
-  (its tree-reduction rewrite; the YNN reduce fusions that would take them are off, see
+  its epsilon, scale and bias; statistics in at least float32) with both row statistics as
+  matrix-vector products with 1/d (x and x^2). XLA's CPU backend otherwise splits each mean
+  over d > 32 into a squared copy, two windowed partial sums and a final sum (its
+  tree-reduction rewrite; the YNN reduce fusions that would take them are off, see
   ik_gat_jax/__init__.py): five kernels over the block's activations per LayerNorm, about an
-  eighth of a batched forward (BENCHMARKS.md, issue N session 23). The same function up to
-  float32 summation order (tests/model_test.py)."""
+  eighth of a batched forward (BENCHMARKS.md, issue N session 23). Two products, not one of
+  `[..., 2, d]` (x and x^2 stacked: the stack was a copy of twice the activations; session 28,
+  0.17 ms less per LayerNorm on a block of 64). The same function up to float32 summation
+  order (tests/model_test.py)."""
   dtype = jnp.promote_types(x.dtype, jnp.float32)
   xf = x.astype(dtype)
   d = x.shape[-1]
-  stats = jnp.stack([xf, xf * xf], axis=-2) @ jnp.full((d,), 1.0 / d, dtype)  # [..., 2]
-  mean, mean2 = stats[..., 0], stats[..., 1]
+  ones = jnp.full((d,), 1.0 / d, dtype)
+  mean, mean2 = xf @ ones, (xf * xf) @ ones
   var = jnp.maximum(0.0, mean2 - mean * mean)
   mul = jax.lax.rsqrt(var + norm.epsilon)[..., None] * norm.scale[...]
   y = (xf - mean[..., None]) * mul + norm.bias[...]

@@ -26,7 +26,7 @@ Compilation. One jitted forward (model merged, deterministic) over `[b, J, 3]` w
 padded (by repeating its last frame) to its bucket, so a live stream of single frames or small
 batches compiles at most once per bucket. A clip runs in chunks of at most `block_size` (device
 memory bounded by `workers` chunks), with a progress bar on stderr when longer than that. On the
-CPU the network runs a batch in blocks of 64 (`inference.micro_batch_size()`), and a clip of more
+CPU the network runs a batch in blocks of 32 (`inference.micro_batch_size()`), and a clip of more
 than one block is cut at block boundaries into as few chunks as fit, their number a multiple of
 `workers`, the blocks shared out evenly (`IKSolver._chunk_plan`); every chunk runs in the
 `block_size` bucket, whose forward skips the blocks of its padding (`num_valid`): any clip

@@ -8,13 +8,15 @@ import subprocess
 import sys
 import time
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from experiments import benchmark_suite as benchmark
-from ik_gat_jax import data, evaluation, inference, iterative_ik
+from ik_gat_jax import bone_frames, data, evaluation, inference, iterative_ik, skeleton
+from ik_gat_jax import model as model_lib
 
 SECTIONS = ('accuracy', 'speed', 'block_sweep', 'pareto', 'noise', 'init_robustness', 'bf16',
             'ratios', 'matmul')
@@ -242,6 +244,22 @@ def test_flop_count_of_a_known_matmul():
   assert math.isnan(benchmark._cost_flops({})) and math.isnan(benchmark._cost_flops([]))
   per_frame = iterative_ik.flops_per_frame(lambda x: x @ b, jnp.ones((frames, m, k)))
   assert per_frame == 2 * m * n * k
+
+
+def test_flops_per_frame_are_counted_on_one_block():
+  """XLA counts a loop body once, so an IK-GAT batch of several blocks (`lax.map` on the CPU)
+  reads low per frame; `inference.flop_frames()` frames (at most one block, what the benchmark
+  and the ablations count on) read what one frame unblocked does."""
+  rig = skeleton.cmu_body()
+  net = model_lib.create_model(model_lib.ModelConfig(size='tiny'), rig, nnx.Rngs(0))
+  B = bone_frames.bone_frames(jnp.asarray(rig.template(), jnp.float32), rig)[None]
+  forward = lambda p: inference.ikgat_infer(net, {'positions': p, 'bone_frames': B})
+  per = lambda n: iterative_ik.flops_per_frame(forward, jnp.ones((n, rig.num_joints, 3)))
+  n, one = inference.flop_frames(), per(1)
+  assert 1 <= n <= 64 and (inference.micro_batch_size() == 0 or n <= inference.micro_batch_size())
+  np.testing.assert_allclose(per(n), one, rtol=0.02)
+  if inference.micro_batch_size():  # four blocks: the body counted once, a quarter per frame
+    assert per(4 * inference.micro_batch_size()) < 0.5 * one
 
 
 def test_cli_missing_checkpoints_is_one_line_nonzero(tmp_path):

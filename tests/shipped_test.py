@@ -165,17 +165,17 @@ def test_mirror_averaging_on_real_frames(cmu_shards):
 
 
 def test_blocked_forward_is_the_whole_batch_forward(cmu_dir):
-  """`ikgat_infer` in blocks of 64 (the CPU default; the last block padded) gives every frame
-  the whole-batch forward's rotations, with the bone frames per frame or broadcast. Tolerance:
-  a different batch shape may change float32 round-off in the matmuls, ~3e-6 per rotation entry
-  (tests/masking_test.py); 2e-5 leaves a factor of 6 and catches any frame moved to another
-  block position or padded wrongly (those change entries by ~1e-1)."""
+  """`ikgat_infer` in blocks (of 64 here, the CPU default 32; the last block padded) gives
+  every frame the whole-batch forward's rotations, with the bone frames per frame or
+  broadcast. Tolerance: a different batch shape may change float32 round-off in the matmuls,
+  ~3e-6 per rotation entry (tests/masking_test.py); 2e-5 leaves a factor of 6 and catches any
+  frame moved to another block position or padded wrongly (those change entries by ~1e-1)."""
   model, _ = inference.load_model(SHIPPED / 'ikgat_base')
   rig = model.rig
   clip = exports.read_bvh_clip(cmu_dir / '07_01.bvh', rig, max_frames=150)
   pos = np.asarray(clip.positions, np.float32)
   B = bone_frames.bone_frames_np(clip.offsets, rig).astype(np.float32)
-  assert inference.micro_batch_size() == inference.MICRO_BATCH_CPU == 64  # CPU JAX here
+  assert inference.micro_batch_size() == inference.MICRO_BATCH_CPU == 32  # CPU JAX here
   run = jax.jit(lambda p, b, mb: inference.ikgat_infer(model, {'positions': p, 'bone_frames': b},
                                                        micro_batch=mb), static_argnums=2)
   whole = np.asarray(run(pos, B[None], 0))
