@@ -70,6 +70,24 @@ def test_npz_to_bvh_and_npz(ckpt, clip_npz, tmp_path):
   assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.filterwarnings('ignore:up axis looks wrong')  # an untrained model's poses
+def test_attention_auto_gives_the_dense_solution(ckpt, tmp_path_factory, tmp_path):
+  """`attention='auto'` (`--attention=auto`) runs the chunks' graph attention in its sparse form
+  (70 frames: blocks of 16 frames or more) and writes the dense form's solution: the same
+  function, float32 round-off apart (1e-5 per rotation entry; attention weights 10% off move
+  this untrained model's entries by ~1e-3)."""
+  solver = get_solver(tmp_path_factory)
+  path = tmp_path / 'long.npz'
+  np.savez(path, positions=posed_clip(solver.rig, solver.offsets, T=70, scale=0.3), fps=30.0)
+  out = {}
+  for form in ('dense', 'auto'):
+    solve.solve_file(path, tmp_path / f'{form}.npz', checkpoint=ckpt, attention=form, log=_quiet)
+    with np.load(tmp_path / f'{form}.npz') as z:
+      out[form] = z['local_rot']
+  assert out['dense'].shape == (70, 21, 3, 3)
+  np.testing.assert_allclose(out['auto'], out['dense'], atol=1e-5, rtol=0)
+
+
 def test_csv_input_with_units(ckpt, clip_npz, tmp_path):
   _, pos = clip_npz
   csv = tmp_path / 'walk.csv'
