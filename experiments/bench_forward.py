@@ -13,12 +13,13 @@ matmul timed minutes earlier.
 No input checks or host conversions: the floor under `IKSolver.step`. `--attention=dense|sparse`
 forces one form of the graph attention (the same function; gat.py) for comparison, and
 `--micro_batch=N` the block size of a batch (`inference.ikgat_infer`; 0: the batch at once;
-default: the backend's, 32 on the CPU). `--threads=N` splits each batch into N equal parts run
-at once by N threads on the same executable, as the solver's clip path runs its chunks
-(`solver.default_workers()`; a batch that N does not divide runs whole): XLA's CPU runtime runs
-one executable's many small kernels one after another, so two at once use two cores better.
-`--dims=WIDTHxBLOCKS` times an untrained network of the checkpoint's config at that width and
-number of blocks instead (the time does not depend on the weights): what a smaller model would
+default: the backend's, 32 on the CPU; several, e.g. `--micro_batch=16,32,64`: each timed in turn
+within every round, so a block-size sweep shares the host's noise). `--threads=N` splits each batch
+into N equal parts run at once by N threads on the same executable, as the solver's clip path runs
+its chunks (`solver.default_workers()`; a batch that N does not divide runs whole): XLA's CPU
+runtime runs one executable's many small kernels one after another, so two at once use two cores
+better. `--dims=WIDTHxBLOCKS` times an untrained network of the checkpoint's config at that width
+and number of blocks instead (the time does not depend on the weights): what a smaller model would
 cost, before training one. `--clip=FILE` (a BVH, or an npz / csv in metres) also solves that clip
 whole with `IKSolver.solve` once per round (checks, retargeting and the chunks on `--threads`
 workers included, the same attention form; compiled by a first solve before any timing): the
@@ -51,8 +52,9 @@ _ATTENTION = flags.DEFINE_enum('attention', 'dense', ['dense', 'auto', 'sparse']
                                "'sparse'.")
 _MATMUL = flags.DEFINE_bool('matmul', True, "Also measure a float32 2048 matmul's GFLOP/s and "
                             "give each batch's rate (XLA's FLOP count) as a share of it.")
-_MICRO = flags.DEFINE_integer('micro_batch', None, 'Examples per block of a batch (0: none; '
-                              'default: inference.micro_batch_size()).')
+_MICRO = flags.DEFINE_list('micro_batch', None, 'Examples per block of a batch (0: none; '
+                           'default: inference.micro_batch_size()); several: each timed in turn '
+                           'every round.')
 _CALLS = flags.DEFINE_integer('calls', 2000, 'Timed calls per batch size (batch 1; fewer for '
                               'larger batches).')
 _THREADS = flags.DEFINE_integer('threads', 1, 'Threads per batch, each running an equal part of it '
@@ -78,12 +80,14 @@ def main(argv):
     model = untrained(model, _DIMS.value)
   gat.set_form(model, _ATTENTION.value)
   B = bone_frames.bone_frames(jnp.asarray(rig.template(), jnp.float32), rig)[None]
-  jitted = jax.jit(lambda p: inference.ikgat_infer(model, {'positions': p, 'bone_frames': B},
-                                                   micro_batch=_MICRO.value))
+  micro = [None] if _MICRO.value is None else block_sizes(_MICRO.value)
+  jitted = {mb: jax.jit(lambda p, mb=mb: inference.ikgat_infer(
+      model, {'positions': p, 'bone_frames': B}, micro_batch=mb)) for mb in micro}
   pool = concurrent.futures.ThreadPoolExecutor(_THREADS.value)
 
-  def forward(parts):  # one part: a plain call; several: at once, one thread each
-    return jitted(parts[0]) if len(parts) == 1 else list(pool.map(jitted, parts))
+  def forward(parts, mb):  # one part: a plain call; several: at once, one thread each
+    f = jitted[mb]
+    return f(parts[0]) if len(parts) == 1 else list(pool.map(f, parts))
 
   # FLOPs from the network unblocked at batch 1: XLA counts a blocked batch's loop body once.
   whole = jax.jit(lambda p: inference.ikgat_infer(model, {'positions': p, 'bone_frames': B},
@@ -93,7 +97,7 @@ def main(argv):
         f'blocks, {model_lib.param_count(model):,} parameters) forward + local rotations, '
         f'{jax.default_backend()}, {len(jax.devices())} device(s), attention on '
         f'{_ATTENTION.value}, blocks of '
-        f'{inference.micro_batch_size() if _MICRO.value is None else _MICRO.value}, '
+        f'{inference.micro_batch_size() if _MICRO.value is None else ",".join(_MICRO.value)}, '
         f'{_THREADS.value} thread(s) per batch')
   cost = whole.lower(jnp.zeros((1, rig.num_joints, 3), jnp.float32)).compile().cost_analysis()
   flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost)['flops'])
@@ -104,18 +108,22 @@ def main(argv):
         size=(b, rig.num_joints, 3)), jnp.float32)
     k = _THREADS.value if b % _THREADS.value == 0 else 1
     inputs[b] = tuple(jnp.split(p, k))
-  for p in inputs.values():
-    jax.block_until_ready(forward(p))  # compile every batch size before any timing
+  keys = [(b, mb) for b in batches for mb in micro]  # timed in this order every round
+  label = {(b, mb): f'{b:5d}' + (f' (blocks of {mb})' if len(micro) > 1 else '')
+           for b, mb in keys}
+  for b, mb in keys:
+    jax.block_until_ready(forward(inputs[b], mb))  # compile everything before any timing
   clip = _clip_solve(rig) if _CLIP.value else None
-  rates, times, clip_s = [], {b: [] for b in batches}, []
+  rates, times, clip_s = [], {k: [] for k in keys}, []
   for r in range(_ROUNDS.value):
     if _MATMUL.value:
       rates.append(benchmark_suite.matmul_gflops(2048)['gflops_per_s'])
       print(f'round {r + 1}: float32 2048 x 2048 matmul {rates[-1]:.1f} GFLOP/s')
-    for b in batches:
-      ms = time_forward(forward, inputs[b], max(_CALLS.value // b, 20))
-      times[b].append(ms)
-      print(f'round {r + 1}: ' + line(b, ms, flops, rates[-1] if rates else None))
+    for b, mb in keys:
+      ms = time_forward(lambda p, mb=mb: forward(p, mb), inputs[b], max(_CALLS.value // b, 20))
+      times[(b, mb)].append(ms)
+      print(f'round {r + 1}: ' + line(b, ms, flops, rates[-1] if rates else None,
+                                      label[(b, mb)]))
     if clip:
       t = time.perf_counter()
       clip[0]()
@@ -126,9 +134,11 @@ def main(argv):
     print(f'median of {_ROUNDS.value} rounds' + (f' (matmul {np.median(rates):.1f} GFLOP/s, '
                                                f'range {min(rates):.1f}-{max(rates):.1f})'
                                                if rates else '') + ':')
-    for b in batches:
-      fps = [b / np.median(ms) * 1000 for ms in times[b]]
-      print(f'batch {b:5d}: median {np.median([np.median(ms) for ms in times[b]]):.3f} ms, '
+    for b, mb in keys:
+      ms_rounds = times[(b, mb)]
+      fps = [b / np.median(ms) * 1000 for ms in ms_rounds]
+      ms_median = np.median([np.median(ms) for ms in ms_rounds])
+      print(f'batch {label[(b, mb)]}: median {ms_median:.3f} ms, '
             f'{np.median(fps):,.0f} frames/s ({flops / 1e6:.2f} MFLOP/frame'
             f'{round_shares(fps, flops, rates)})')
     if clip:
@@ -169,6 +179,18 @@ def clip_line(frames: int, seconds: float, flops: float, rate: float | None) -> 
   return f'clip {frames:5d} frames: {seconds:.3f} s, {fps:,.0f} frames/s{share}'
 
 
+def block_sizes(values: list[str]) -> list[int]:
+  """`--micro_batch` values -> distinct block sizes >= 0, in order (ValueError otherwise)."""
+  try:
+    sizes = [int(x) for x in values]
+  except ValueError:
+    sizes = []
+  if not sizes or min(sizes) < 0 or len(set(sizes)) != len(sizes):
+    raise ValueError(f'--micro_batch takes distinct block sizes >= 0, e.g. 16,32,64; got '
+                     f'{",".join(values)!r}')
+  return sizes
+
+
 def untrained(model, dims: str):
   """An untrained model of `model`'s config and rig at `dims` = 'WIDTHxBLOCKS' (ValueError for
   another form)."""
@@ -192,11 +214,13 @@ def time_forward(forward, p, calls: int) -> np.ndarray:
   return 1000 * np.asarray(times)
 
 
-def line(b: int, ms: np.ndarray, flops: float, rate: float | None) -> str:
+def line(b: int, ms: np.ndarray, flops: float, rate: float | None,
+         label: str | None = None) -> str:
   """One batch size's timing: median and p99 ms, frames/s, FLOPs, the share of `rate`."""
   fps = b / np.median(ms) * 1000
   share = f', {100 * fps * flops / 1e9 / rate:.1f}% of the matmul' if rate else ''
-  return (f'batch {b:5d}: median {np.median(ms):.3f} ms, p99 {np.percentile(ms, 99):.3f} ms, '
+  return (f'batch {label or f"{b:5d}"}: median {np.median(ms):.3f} ms, '
+          f'p99 {np.percentile(ms, 99):.3f} ms, '
           f'{fps:,.0f} frames/s ({flops / 1e6:.2f} MFLOP/frame{share})')
 
 

@@ -59,14 +59,15 @@ def test_rounds_interleave_matmul_and_network_and_summarise_per_round_shares(cmu
                              atol=0.11)
 
 
-def test_dims_times_an_untrained_network_of_that_size_and_refuses_a_bad_spec():
+def test_dims_and_several_block_sizes_and_bad_specs():
   """`--dims=WIDTHxBLOCKS` builds the checkpoint's config at that size (its parameter count and
-  XLA's FLOPs shrink with it); a malformed spec is a one-line error, exit status 2. In a
+  XLA's FLOPs shrink with it); `--micro_batch=1,0` times both block sizes in every round; a
+  malformed spec of either is a one-line error, exit status 2. In a
   subprocess: importing a main would define its flags in this process."""
   from ik_gat_jax import inference, model
   base, _ = inference.load_model(inference.SHIPPED_IKGAT)
   cmd = [sys.executable, '-m', 'experiments.bench_forward', '--batches=2', '--calls=20',
-         '--rounds=1', '--nomatmul', '--dims=192x2']
+         '--rounds=2', '--nomatmul', '--micro_batch=1,0', '--dims=192x2']
   done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   m = re.search(r'width 192, 2 blocks, ([\d,]+) parameters', done.stdout)
@@ -74,6 +75,14 @@ def test_dims_times_an_untrained_network_of_that_size_and_refuses_a_bad_spec():
   assert int(m[1].replace(',', '')) < model.param_count(base) / 3, done.stdout
   flops = float(re.search(r'([\d.]+) MFLOP/frame', done.stdout)[1])
   assert 0 < flops < 5.0, done.stdout  # the base computes 15.9
+  # Several block sizes: each timed in every round and summarised, labelled.
+  for mb in (1, 0):
+    label = f'batch     2 (blocks of {mb}): median'
+    assert [l.split(': ')[0] for l in done.stdout.splitlines() if label in l] == [
+        'round 1', 'round 2', f'batch     2 (blocks of {mb})'], done.stdout
   bad = subprocess.run(cmd[:-1] + ['--dims=wide'], cwd=REPO, capture_output=True, text=True,
                        timeout=300)
   assert bad.returncode == 2 and 'WIDTHxBLOCKS' in bad.stderr, bad.stderr[-2000:]
+  bad = subprocess.run(cmd[:-2] + ['--micro_batch=32,32'], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+  assert bad.returncode == 2 and 'distinct block sizes' in bad.stderr, bad.stderr[-2000:]
