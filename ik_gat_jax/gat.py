@@ -112,8 +112,9 @@ class GraphAttention(nnx.Module):
   def _sparse_gat(self, h: jax.Array) -> jax.Array:
     """The 'gat' attention in the sparse form, `h: [..., J, D]` -> `[..., J, H * C]`. The
     softmax runs over each node's own senders, padded to the largest degree (`[..., J, deg,
-    H]`: 105 entries on the 21-joint tree instead of the `[J, J]` masked 441, whose softmax was
-    12% of a batched forward; BENCHMARKS.md issue N session 28), and each node's weighted sum
+    H]`: 105 entries on the 21-joint tree instead of the `[J, J]` masked 441, whose softmax's
+    exponentials and reductions were 7% of a batched forward; BENCHMARKS.md issue N session
+    28), and each node's weighted sum
     of its senders' messages is elementwise work on static slices, one fused kernel per node.
     Both scores of every node come from one `[D, 2 H]` matmul on `h` (`W A`, bias `b A`)
     instead of from the messages with their bias added. The same function as `weights`

@@ -159,8 +159,8 @@ def micro_batch_size() -> int:
   batch's activations leave the cache (the base network at batch 256-4,096 then runs at about
   its small-batch rate, 1.35-1.6x; BENCHMARKS.md "Blocks"; 64 until session 28, when the
   sparse form's per-node kernels made blocks of 16-32 1.05-1.1x faster than 64 at batch 1,024
-  on two cores, "Per-node softmax"); 0 (the batch at once) on accelerators, which want it
-  whole."""
+  on two cores, "Session 28: a per-node softmax"); 0 (the batch at once) on accelerators, which
+  want it whole."""
   return MICRO_BATCH_CPU if jax.default_backend() == 'cpu' else 0
 
 

@@ -141,9 +141,9 @@ def layer_norm(norm: nnx.LayerNorm, x: jax.Array) -> jax.Array:
   tree-reduction rewrite; the YNN reduce fusions that would take them are off, see
   ik_gat_jax/__init__.py): five kernels over the block's activations per LayerNorm, about an
   eighth of a batched forward (BENCHMARKS.md, issue N session 23). Two products, not one of
-  `[..., 2, d]` (x and x^2 stacked: the stack was a copy of twice the activations; session 28,
-  0.17 ms less per LayerNorm on a block of 64). The same function up to float32 summation
-  order (tests/model_test.py)."""
+  `[..., 2, d]` (x and x^2 stacked: a copy of twice the activations, 0.76 ms of a 64-frame call
+  against 0.23 ms for the squares now; `experiments.kernel_profile`, BENCHMARKS.md session 28).
+  The same function up to float32 summation order (tests/model_test.py)."""
   dtype = jnp.promote_types(x.dtype, jnp.float32)
   xf = x.astype(dtype)
   d = x.shape[-1]
