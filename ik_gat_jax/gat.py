@@ -15,15 +15,16 @@ ablation) averages `W h_k` over the neighbours. Layout `[B, H, J, C]`: the GAT a
 come from one batched matmul each (measured on this CPU: about 2x faster than a naive einsum).
 
 Two evaluations of the same function (`GraphAttention.form`): 'dense' multiplies the masked
-`[J, J]` attention by the messages, one small matmul per example and head; 'sparse' sums each
-node's own neighbours (static slices, 61 terms on the 21-joint CMU tree instead of 441), and
-for 'gat' scoring takes the softmax over each node's padded neighbour list (`[J, max degree]`,
-no `[J, J]` logits) with both scores from one `[D, 2 H]` matmul on the layer's input
-(`_sparse_gat`). 'auto' takes dense for fewer than SPARSE_FROM examples (a live frame: dense is
-faster) and in training (the sparse gradient compiles 2.5x slower), sparse for inference from
-there (the base model 1.4x dense's frames/s at batch 1,024 on two cores; BENCHMARKS.md "Close
-to the machine"). The default is 'dense' (compile time, see `GraphAttention.form`); `set_form`
-switches a model's layers.
+`[J, J]` attention by the messages, one small matmul per example and head (for 'gat' scoring
+in the layout `[..., J, H, J]`, no copies of the messages into heads: `_dense_gat`); 'sparse'
+sums each node's own neighbours (static slices, 61 terms on the 21-joint CMU tree instead of
+441), and for 'gat' scoring takes the softmax over each node's padded neighbour list (`[J, max
+degree]`, no `[J, J]` logits) with both scores from one `[D, 2 H]` matmul on the layer's input
+(`_sparse_gat`). 'auto' takes dense for fewer than SPARSE_FROM examples (a live frame: dense
+is faster) and in training (the sparse gradient compiles 2.5x slower), sparse for inference
+from there (the base model 1.09x dense's frames/s at 4 examples on one core, 1.4x at 1,024 on
+two; BENCHMARKS.md "Close to the machine"). The default is 'dense' (compile time, see
+`GraphAttention.form`); `set_form` switches a model's layers.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from flax import nnx
 SCORINGS = ('gat', 'gatv2', 'dot')
 AGGREGATIONS = ('attention', 'mean')
 _NEG = -1e30  # masked logit; softmax is taken in float32, so exp() of it is exactly 0
-SPARSE_FROM = 16  # form 'auto': the sparse form from this many examples on (leading axes)
+SPARSE_FROM = 4  # form 'auto': the sparse form from this many examples on (leading axes)
 
 
 class GraphAttention(nnx.Module):
@@ -62,7 +63,7 @@ class GraphAttention(nnx.Module):
     self.scoring, self.aggregation, self.negative_slope = scoring, aggregation, negative_slope
     self.value = nnx.Linear(in_features, out_features, rngs=rngs)  # W: the messages
     # How __call__ evaluates the (same) function (static, not state): 'dense' (the attention
-    # as a batched [J, J] @ [J, C] product per example and head), 'sparse' (each node's sum over
+    # as a [J, J] @ [J, C] product per example and head), 'sparse' (each node's sum over
     # its own neighbours as static slices, the GAT softmax over each node's padded senders; no
     # batched small dots, no transposes) or 'auto' (sparse from SPARSE_FROM examples on in
     # inference, dense below and in training). Default 'dense': the sparse form compiles 1.5x
@@ -101,13 +102,37 @@ class GraphAttention(nnx.Module):
       recv, send = np.nonzero(mask)  # static edge list: E edges instead of J * J pairs
       z = nnx.leaky_relu(self._heads(self.recv(h))[..., recv, :] + wh[..., send, :],
                          self.negative_slope)  # [B, H, E, C]
-      e = jnp.einsum('bhec,hc->bhe', z, self.attn[...])
-      logits = jnp.full(e.shape[:2] + mask.shape, _NEG, e.dtype).at[..., recv, send].set(e)
+      e = jnp.einsum('...hec,hc->...he', z, self.attn[...])
+      logits = jnp.full(e.shape[:-1] + mask.shape, _NEG, e.dtype).at[..., recv, send].set(e)
     else:
       q, k = self._heads(self.query(h)), self._heads(self.key(h))
       logits = (q @ k.swapaxes(-1, -2)) / np.sqrt(self.head_dim)
     logits = jnp.where(mask, logits.astype(jnp.float32), _NEG)
     return jax.nn.softmax(logits, axis=-1).astype(wh.dtype), wh
+
+  def _dense_gat(self, h: jax.Array) -> jax.Array:
+    """The 'gat' attention in the dense form, `h: [..., J, D]` -> `[..., J, H * C]`, in the
+    layout `[..., i, H, k]`: no `[.., H, J, C]` copies of the messages or of the output. Both
+    scores of every node from one `[H * C, 2 H]` product of the messages with the heads' `a`
+    laid out block-diagonally, the softmax over the last (sender) axis, then one `[J, J] @ [J,
+    C]` product per head on the messages' columns of that head, concatenated. On one core
+    against the batched `[.., H, J, J] @ [.., H, J, C]` product of `weights` (an attention
+    block, ELU, residual and LayerNorm included): 1.17x at one example, 1.17x at 32 and 1.08x for
+    the gradient at 256 (BENCHMARKS.md, issue N session 29). The same function as `weights`
+    (softmax in float32) up to float32 round-off (tests/gat_test.py)."""
+    H, C = self.num_heads, self.head_dim
+    mask = np.asarray(self.adjacency, dtype=bool)
+    m = self.value(h)  # [..., J, H * C]: the messages, bias included
+    a = self.attn[...]  # [H, C, 2]
+    block = np.eye(H, dtype=bool)[:, None, :, None]  # a[h, c, k] at column (h, k) only
+    s = (m @ jnp.where(block, a[:, :, None, :], 0).reshape(H * C, 2 * H)).reshape(
+        *m.shape[:-1], H, 2)
+    logits = nnx.leaky_relu(s[..., :, :, None, 0] + s[..., None, :, :, 1].swapaxes(-1, -2),
+                            self.negative_slope)  # [..., i, H, k]
+    logits = jnp.where(mask[:, None, :], logits.astype(jnp.float32), _NEG)
+    attn = jax.nn.softmax(logits, axis=-1).astype(m.dtype)
+    return jnp.concatenate([attn[..., :, n, :] @ m[..., n * C:(n + 1) * C] for n in range(H)],
+                           axis=-1)
 
   def _sparse_gat(self, h: jax.Array) -> jax.Array:
     """The 'gat' attention in the sparse form, `h: [..., J, D]` -> `[..., J, H * C]`. The
@@ -150,6 +175,8 @@ class GraphAttention(nnx.Module):
       form = ('sparse' if not training and math.prod(h.shape[:-2]) >= SPARSE_FROM
               else 'dense')
     if form == 'dense':
+      if self.scoring == 'gat' and self.aggregation == 'attention':
+        return self._dense_gat(h)
       attn, wh = self.weights(h)
       return (attn @ wh).swapaxes(-2, -3).reshape(*h.shape[:-1], H * C)
     if self.scoring == 'gat' and self.aggregation == 'attention':

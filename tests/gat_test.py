@@ -130,13 +130,15 @@ def test_every_form_is_the_dense_attention(kind, variant):
   """`__call__` in each form ('dense', 'sparse', 'auto' on both sides of SPARSE_FROM) is
   `weights()`'s `attn @ messages` on every adjacency and variant."""
   layer = _layer(kind, *variant, d_in=8, d_out=8, heads=2)
-  for batch in (3, gat.SPARSE_FROM):
-    h = jax.random.normal(jax.random.key(6), (batch, J, 8))
+  for shape in ((), (1,), (3,), (2, 3), (gat.SPARSE_FROM,)):  # () and (2, 3): leading axes
+    h = jax.random.normal(jax.random.key(6), shape + (J, 8))
     attn, wh = layer.weights(h)
-    want = np.asarray((attn @ wh).swapaxes(-2, -3).reshape(batch, J, 8))
+    want = np.asarray((attn @ wh).swapaxes(-2, -3).reshape(shape + (J, 8)))
     for form in ('dense', 'sparse', 'auto'):
       layer.form = form
-      np.testing.assert_allclose(layer(h), want, rtol=1e-5, atol=1e-6, err_msg=form)
+      for training in (False, True):
+        np.testing.assert_allclose(layer(h, training=training), want, rtol=1e-5, atol=1e-6,
+                                   err_msg=f'{form} {shape} {training}')
 
 
 def test_set_form_switches_every_layer_and_refuses_an_unknown_form():
