@@ -226,6 +226,33 @@ def test_input_errors(solver):
     solver.solve(pos, input_axes='x,x,z')
 
 
+@pytest.mark.parametrize('size', [(1, 21, 3), (2000, 21, 3)])  # summed in Python / numpy
+def test_all_finite_is_numpys_isfinite_all(size):
+  """`solver.all_finite` on finite arrays, NaN, +-inf, both infinities, and finite values whose
+  sum overflows (the Python sum's fallback)."""
+  rng = np.random.default_rng(3)
+  for value in (None, np.nan, np.inf, -np.inf, 'both', 'overflow', 'huge'):
+    a = rng.normal(size=size)
+    if value == 'both':
+      a.flat[1], a.flat[-1] = np.inf, -np.inf
+    elif value == 'overflow':
+      a.flat[0] = a.flat[-1] = 1e308
+    elif value == 'huge':
+      a.flat[0], a.flat[-1] = 1e308, -1e308
+    elif value is not None:
+      a.flat[a.size // 2] = value
+    assert solver_lib.all_finite(a) == bool(np.isfinite(a).all()), value
+
+
+def test_prepare_applies_units_and_axes(solver):
+  """`prepare`: metres in rig axes pass as they are; units and an axes map scale and rotate."""
+  pos = posed_clip(solver.rig, solver.offsets, T=4)
+  np.testing.assert_array_equal(solver.prepare(pos)[0], pos)
+  M = solver_lib.parse_input_axes('x,z,-y', solver.rig)
+  got = solver.prepare(pos * 100 @ M, units='cm', input_axes='x,z,-y', check=False)[0]
+  np.testing.assert_allclose(got, pos, rtol=0, atol=1e-12)
+
+
 def _warnings_of(fn):
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
