@@ -115,11 +115,11 @@ class GraphAttention(nnx.Module):
     layout `[..., i, H, k]`: no `[.., H, J, C]` copies of the messages or of the output. Both
     scores of every node from one `[H * C, 2 H]` product of the messages with the heads' `a`
     laid out block-diagonally, the softmax over the last (sender) axis, then one `[J, J] @ [J,
-    C]` product per head on the messages' columns of that head, concatenated. On one core
-    against the batched `[.., H, J, J] @ [.., H, J, C]` product of `weights` (an attention
-    block, ELU, residual and LayerNorm included): 1.17x at one example, 1.17x at 32 and 1.08x for
-    the gradient at 256 (BENCHMARKS.md, issue N session 29). The same function as `weights`
-    (softmax in float32) up to float32 round-off (tests/gat_test.py)."""
+    C]` product per head on the messages' columns of that head, concatenated. Against the
+    batched `[.., H, J, J] @ [.., H, J, C]` product of `weights` (the base model): a live
+    frame's executable 1.06x, batch 1,024 on two cores 1.15x, the training step 1.05x
+    (BENCHMARKS.md, issue N session 29). The same function as `weights` (softmax in float32)
+    up to float32 round-off (tests/gat_test.py)."""
     H, C = self.num_heads, self.head_dim
     mask = np.asarray(self.adjacency, dtype=bool)
     m = self.value(h)  # [..., J, H * C]: the messages, bias included
