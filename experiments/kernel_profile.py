@@ -39,28 +39,32 @@ _KERNEL = re.compile(r'^[a-z_][\w-]*(\.\d+)?$')
 _CONTAINERS = ('while', 'conditional', 'call')  # their bodies' kernels are events of their own
 
 
-def kernel_times(xspace_path: str, calls: int) -> dict[str, float]:
-  """Microseconds per call of each kernel event in an xplane file: not the host's events, nor
-  loops and conditionals, whose bodies' kernels are traced as events of their own."""
+def kernel_times(xspace_path: str, calls: int) -> dict[str, tuple[float, float]]:
+  """Each kernel's (microseconds, events) per call in an xplane file: not the host's events,
+  nor loops and conditionals, whose bodies' kernels are traced as events of their own (a loop
+  body's kernel once per trip)."""
   from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
-  total = collections.Counter()
+  total, events = collections.Counter(), collections.Counter()
   for plane in ProfileData.from_file(xspace_path).planes:
     for line in plane.lines:
       for event in line.events:
         if (_KERNEL.match(event.name)
             and re.sub(r'\.\d+$', '', event.name) not in _CONTAINERS):
           total[event.name] += event.duration_ns / 1e3 / calls
-  return dict(total)
+          events[event.name] += 1 / calls
+  return {k: (total[k], events[k]) for k in total}
 
 
-def groups(times: dict[str, float]) -> dict[str, tuple[float, int]]:
-  """Kernel name without its `.N` suffix -> (microseconds per call, kernels)."""
+def groups(times: dict[str, tuple[float, float]]) -> dict[str, tuple[float, int, float]]:
+  """Kernel name without its `.N` suffix -> (microseconds per call, kernels, events per
+  call)."""
   out: dict[str, list] = {}
-  for name, us in times.items():
-    g = out.setdefault(re.sub(r'\.\d+$', '', name), [0.0, 0])
+  for name, (us, n) in times.items():
+    g = out.setdefault(re.sub(r'\.\d+$', '', name), [0.0, 0, 0.0])
     g[0] += us
     g[1] += 1
-  return {k: (v[0], v[1]) for k, v in out.items()}
+    g[2] += n
+  return {k: (v[0], v[1], v[2]) for k, v in out.items()}
 
 
 @fail_on_user_error
@@ -106,20 +110,20 @@ def main(argv):
   if not times:
     raise RuntimeError('the trace holds no kernel events (XLA_FLAGS: '
                        f'{os.environ.get("XLA_FLAGS")!r})')
-  total = sum(times.values())
+  total = sum(us for us, _ in times.values())
   print(f'IK-GAT {_CKPT.value or inference.SHIPPED_IKGAT}, batch {_BATCH.value}, attention '
         f'{_ATTENTION.value}, blocks of {inference.micro_batch_size()}: untraced '
         f'{np.median(rounds):.3f} ms per call (median of 7 rounds of {n}); traced kernels '
         f'{total / 1e3:.3f} ms per call, {len(times)} kernels')
   g = groups(times)
-  dots = sum(us for k, (us, _) in g.items() if k in ('dot', 'dot_general'))
+  dots = sum(us for k, (us, _, _) in g.items() if k in ('dot', 'dot_general'))
   print(f'dots {dots / 1e3:.3f} ms ({100 * dots / total:.0f}%), the rest '
         f'{(total - dots) / 1e3:.3f} ms')
-  print('by kernel kind (us per call, kernels, share):')
-  for k, (us, count) in sorted(g.items(), key=lambda kv: -kv[1][0])[:_TOP.value]:
-    print(f'  {us:9.1f}  {count:4d}  {100 * us / total:5.1f}%  {k}')
+  print('by kernel kind (us per call, kernels, kernel runs per call, share):')
+  for k, (us, count, runs) in sorted(g.items(), key=lambda kv: -kv[1][0])[:_TOP.value]:
+    print(f'  {us:9.1f}  {count:4d}  {runs:6.1f}  {100 * us / total:5.1f}%  {k}')
   print('largest kernels (us per call):')
-  for k, us in sorted(times.items(), key=lambda kv: -kv[1])[:_TOP.value]:
+  for k, (us, _) in sorted(times.items(), key=lambda kv: -kv[1][0])[:_TOP.value]:
     print(f'  {us:9.1f}  {k}')
 
 
