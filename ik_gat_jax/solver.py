@@ -1035,7 +1035,10 @@ class IKSolver:
       raise InputError(f'step takes one frame [{self.rig.num_joints}, 3], got {pos.shape[0]} '
                        f'frames {list(pos.shape)}; use solve() for a clip or solve_stream() '
                        'for batches')
-    sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
+    sparse = None  # check_positions found every joint finite: nothing to check again
+    if (self.supports_masks or mask is not None or orientations is not None
+        or end_sites is not None):
+      sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
     off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
     subject = self._device_subject(off)
     sparse = self._stream_history(pos) or sparse  # window models take no other sparse input
