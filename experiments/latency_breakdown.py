@@ -12,6 +12,8 @@ change in the machine's load hits every part alike), in ms per frame:
   to_device       what a numpy float32 frame handed to the executable adds (step's way in)
   to_host         the output back as numpy (`np.asarray`; what it adds on top)
   dispatch_floor  a compiled `x + 1` on the same `[1, J, 3]` input: the cost of any XLA call
+  numpy_reduction what one numpy reduction (`.all()` of 21 bools) between two calls of the
+                  executable adds to a call, the reduction's own time included
 Also: XLA's FLOPs per frame and its count of kernels (fusions, dots, ...) of the forward, the
 single-core rate of the forward's largest matmul shape alone (`[J, d] @ [d, d]`, GFLOP/s) and
 the floor it implies for the network (FLOPs / that rate). XLA flags (e.g. `XLA_FLAGS=
@@ -90,6 +92,7 @@ def breakdown(solver: IKSolver, frames: np.ndarray, calls: int) -> dict:
   on_device = jnp.asarray(frames[:1], jnp.float32)
   out_device = exe(leaves, on_device, off, B, None, None)['local_rot']
   floor = jax.jit(lambda x: x + 1).lower(on_device).compile()
+  flags_ = np.ones(J, bool)
 
   def host_checks(f):
     pos, _ = check_positions(f, solver.rig, allow_missing=solver.supports_masks)
@@ -106,7 +109,10 @@ def breakdown(solver: IKSolver, frames: np.ndarray, calls: int) -> dict:
       'numpy_in_out': lambda f: np.asarray(exe(leaves, np.asarray(f[None], np.float32), off, B,
                                                None, None)['local_rot']),
       'dispatch_floor': lambda f: floor(on_device).block_until_ready(),
+      'numpy_in_out_reduction': lambda f: (flags_.all(), np.asarray(exe(
+          leaves, np.asarray(f[None], np.float32), off, B, None, None)['local_rot'])),
   }, frames, calls)
+  parts['numpy_reduction'] = parts.pop('numpy_in_out_reduction') - parts['numpy_in_out']
   parts['to_host'] = parts.pop('numpy_in_out') - parts['numpy_in']
   parts['to_device'] = parts.pop('numpy_in') - parts['executable']
   parts['python_rest'] = parts['step'] - sum(parts[k] for k in (
@@ -141,7 +147,7 @@ def main(argv):
   print(f"IK-GAT {solver.source}: one live frame, {len(result['cpus'])} core(s), "
         f"XLA_FLAGS={result['xla_flags']!r}")
   for k in ('step', 'host_checks', 'to_device', 'executable', 'to_host', 'python_rest',
-            'dispatch_floor'):
+            'dispatch_floor', 'numpy_reduction'):
     print(f'  {k:15s} {ms[k]:7.3f} ms')
   print(f"  network: {result['flops_per_frame'] / 1e6:.1f} MFLOP/frame, kernels "
         f"{sum(result['kernels'].values())} ({result['kernels']}); "

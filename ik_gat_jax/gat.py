@@ -11,8 +11,9 @@ Scoring of edge k -> i (per head; `W` the message projection, `h` the node featu
   'gatv2' (Brody et al. 2022):      a . LeakyReLU(W_recv h_i + W h_k), evaluated on edges only
   'dot'   (Transformer):            (W_q h_i) . (W_k h_k) / sqrt(C)
 Aggregation 'attention' softmaxes the scores over the neighbours; 'mean' (the non-attentive
-ablation) averages `W h_k` over the neighbours. Layout `[B, H, J, C]`: the GAT and dot logits
-come from one batched matmul each (measured on this CPU: about 2x faster than a naive einsum).
+ablation) averages `W h_k` over the neighbours. `weights` (the reference evaluation, and the
+dense form for 'gatv2', 'dot' and 'mean') works in the layout `[B, H, J, C]`, the GAT and dot
+logits from one batched matmul each (about 2x faster than a naive einsum on this CPU).
 
 Two evaluations of the same function (`GraphAttention.form`): 'dense' multiplies the masked
 `[J, J]` attention by the messages, one small matmul per example and head (for 'gat' scoring

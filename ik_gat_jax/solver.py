@@ -765,7 +765,12 @@ class IKSolver:
                     orientation_mask=None, end_sites=None) -> dict[str, np.ndarray] | None:
     """Checks the optional sparse inputs of `pos [T, J, 3]` (module docstring) -> the model's
     extra inputs (`joint_mask`, `orientations`, `orientation_mask`, `end_sites`,
-    `end_site_mask`), or None without any. `end_sites` in metres, rig axes."""
+    `end_site_mask`), or None without any. `end_sites` in metres, rig axes. `pos` as
+    `check_positions` gives it: every joint finite unless the model takes joint masks, so with
+    no sparse input and no masks there is nothing to check (no second pass over a live frame)."""
+    if (mask is None and orientations is None and end_sites is None
+        and not self.supports_masks):
+      return None
     T, J = pos.shape[:2]
     out = {}
     if mask is not None or not all_finite(pos):
@@ -1035,10 +1040,7 @@ class IKSolver:
       raise InputError(f'step takes one frame [{self.rig.num_joints}, 3], got {pos.shape[0]} '
                        f'frames {list(pos.shape)}; use solve() for a clip or solve_stream() '
                        'for batches')
-    sparse = None  # check_positions found every joint finite: nothing to check again
-    if (self.supports_masks or mask is not None or orientations is not None
-        or end_sites is not None):
-      sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
+    sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
     off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
     subject = self._device_subject(off)
     sparse = self._stream_history(pos) or sparse  # window models take no other sparse input
