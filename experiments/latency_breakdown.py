@@ -6,8 +6,9 @@
 Every part is timed alone, interleaved with the others in rounds (medians over all rounds, so a
 change in the machine's load hits every part alike), in ms per frame:
   step            `IKSolver.step(frame)`: numpy in -> numpy out, everything included
-  host_checks     shape/finite checks, the sparse-input check, the subject's cached frames
-  executable      the compiled forward (network + conversion to local rotations) on a frame
+  host_checks     shape/finite checks, the sparse-input check
+  executable      step's compiled forward (network + conversion to local rotations; the model
+                  and the solver's subject compiled in as constants) on a frame
                   already on the device, waited on: the network's own time
   to_device       what a numpy float32 frame handed to the executable adds (step's way in)
   to_host         the output back as numpy (`np.asarray`; what it adds on top)
@@ -85,43 +86,34 @@ def breakdown(solver: IKSolver, frames: np.ndarray, calls: int) -> dict:
   J = solver.rig.num_joints
   for f in frames[:50]:
     solver.step(f)  # compiles step's executable, warms the caches
-  subject = solver._device_subject(solver.offsets)  # pylint: disable=protected-access
-  off, B, _ = subject
-  exe = solver._step_exec  # pylint: disable=protected-access
-  leaves = solver._leaves  # pylint: disable=protected-access
+  exe = solver._default_step()  # pylint: disable=protected-access
   on_device = jnp.asarray(frames[:1], jnp.float32)
-  out_device = exe(leaves, on_device, off, B, None, None)['local_rot']
   floor = jax.jit(lambda x: x + 1).lower(on_device).compile()
   flags_ = np.ones(J, bool)
 
   def host_checks(f):
     pos, _ = check_positions(f, solver.rig, allow_missing=solver.supports_masks)
     solver.sparse_inputs(pos)
-    solver._device_subject(solver.offsets)  # pylint: disable=protected-access
 
   parts = _median_ms({
       'step': solver.step,
       'host_checks': host_checks,
-      'executable': lambda f: exe(leaves, on_device, off, B, None, None)['local_rot']
-      .block_until_ready(),
-      'numpy_in': lambda f: exe(leaves, np.asarray(f[None], np.float32), off, B, None, None)
-      ['local_rot'].block_until_ready(),
-      'numpy_in_out': lambda f: np.asarray(exe(leaves, np.asarray(f[None], np.float32), off, B,
-                                               None, None)['local_rot']),
+      'executable': lambda f: exe(on_device).block_until_ready(),
+      'numpy_in': lambda f: exe(np.asarray(f[None], np.float32)).block_until_ready(),
+      'numpy_in_out': lambda f: np.asarray(exe(np.asarray(f[None], np.float32))),
       'dispatch_floor': lambda f: floor(on_device).block_until_ready(),
       'numpy_in_out_reduction': lambda f: (flags_.all(), np.asarray(exe(
-          leaves, np.asarray(f[None], np.float32), off, B, None, None)['local_rot'])),
+          np.asarray(f[None], np.float32)))),
   }, frames, calls)
   parts['numpy_reduction'] = parts.pop('numpy_in_out_reduction') - parts['numpy_in_out']
   parts['to_host'] = parts.pop('numpy_in_out') - parts['numpy_in']
   parts['to_device'] = parts.pop('numpy_in') - parts['executable']
   parts['python_rest'] = parts['step'] - sum(parts[k] for k in (
       'host_checks', 'to_device', 'executable', 'to_host'))
-  del out_device
   cost = exe.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   flops = float(cost.get('flops', float('nan')))
-  d = max(int(l.shape[-1]) for l in leaves if getattr(l, 'ndim', 0) == 2
+  d = max(int(l.shape[-1]) for l in jax.tree.leaves(solver._consts) if getattr(l, 'ndim', 0) == 2
           and l.shape[0] == l.shape[1])
   rate = _matmul_gflops(J, d)
   return {'ms': parts, 'flops_per_frame': flops, 'kernels': kernel_counts(exe),

@@ -274,6 +274,14 @@ def test_executable_cache_skips_tracing_and_gives_the_same_bits(tmp_path, monkey
   np.testing.assert_array_equal(third.solve(clip, full=True).local_rot, want.local_rot)
   assert third.trace_count == 1
   assert compile_cache.load_executable(entries[0].stem) is not None
+  # The weights are compiled in as constants: the same architecture with other weights (a
+  # fine-tuned copy) is another entry, never the shipped model's executable.
+  model, meta = inference.load_model(inference.SHIPPED_IKGAT)
+  state = nnx.state(model, nnx.Param)
+  nnx.update(model, jax.tree.map(lambda x: x * 1.01, state))
+  tuned = solver_lib.IKSolver(model, meta)
+  other = tuned.solve(clip, full=True)
+  assert tuned.trace_count == 1 and np.abs(other.local_rot - want.local_rot).max() > 1e-4
   # Names: the description and the environment count, object addresses do not.
   key = compile_cache.executable_key('f <function g at 0x7f00aa>')
   assert compile_cache.executable_key('f <function g at 0x7f11bb>') == key

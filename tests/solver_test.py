@@ -15,6 +15,7 @@ from scipy.spatial.transform import Rotation
 from experiments.configs import test as test_config
 import ik_gat_jax
 from ik_gat_jax import checkpointing
+from ik_gat_jax import compile_cache
 from ik_gat_jax import inference
 from ik_gat_jax import rotations
 from ik_gat_jax import skeleton
@@ -317,6 +318,8 @@ def test_buckets_stream_never_recompiles(solver):
   out = list(solver.solve_stream(pos[:n] for n in sizes))
   assert [o.shape[0] for o in out] == sizes
   assert solver.trace_count - before <= 4  # at most one compile per bucket 1, 2, 4, 8
+  solver.step(pos[0])  # `step`'s own executable for the solver's subject: at most one more
+  assert solver.trace_count - before <= 5
   after = solver.trace_count
   list(solver.solve_stream(pos[:n] for n in sizes))
   for t in range(len(pos)):
@@ -326,7 +329,32 @@ def test_buckets_stream_never_recompiles(solver):
   np.testing.assert_allclose(solver.step(pos[3]), solver.solve(pos)[3], atol=2e-5)
 
 
-def test_long_clip_in_chunks_with_progress(tmp_path_factory, solver):
+def test_step_of_the_solvers_subject_is_any_subjects_step(solver):
+  """`step` compiles the solver's own subject (`offsets`) into its executable: the same
+  rotations as the generic path given those offsets, and a new subject assigned to `offsets`
+  is compiled in anew (the old array cannot be edited in place)."""
+  pos = posed_clip(solver.rig, solver.offsets, T=4, scale=0.2)
+  saved = solver.offsets
+  with pytest.raises(ValueError, match='read-only'):
+    solver.offsets[0, 0] = 1.0
+  np.testing.assert_allclose(solver.step(pos[1]), solver.step(pos[1], offsets=saved.copy()),
+                             atol=1e-6)
+  other = saved + 0.03 * np.random.default_rng(0).standard_normal(saved.shape)  # new directions
+  try:
+    solver.offsets = other
+    assert solver.offsets is not other and not solver.offsets.flags.writeable
+    np.testing.assert_allclose(solver.step(pos[2]), solver.step(pos[2], offsets=other),
+                               atol=1e-6)
+    assert np.abs(solver.step(pos[2]) - solver.step(pos[2], offsets=saved)).max() > 1e-4
+  finally:
+    solver.offsets = saved
+  np.testing.assert_allclose(solver.step(pos[2]), solver.step(pos[2], offsets=saved), atol=1e-6)
+
+
+def test_long_clip_in_chunks_with_progress(tmp_path_factory, solver, monkeypatch):
+  # Traces are counted: no executable cache, which a command-line test run before in this
+  # process may have turned on (its entries would load without a trace).
+  monkeypatch.setattr(compile_cache, '_executables_dir', None)
   small = IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory), block_size=8)
   pos = posed_clip(small.rig, small.offsets, T=21, scale=0.2)
   stream = io.StringIO()
@@ -457,7 +485,7 @@ def test_sparse_attention_solves_the_same(tmp_path_factory, solver):
   pos = posed_clip(sparse.rig, sparse.offsets, T=20, scale=0.2)
   np.testing.assert_allclose(sparse.solve(pos), solver.solve(pos), atol=2e-5)
   x = np.zeros((32,) + pos.shape[1:], np.float32)
-  hlo = [sol._forward.lower(sol._leaves, x, *sol._device_subject(sol.offsets)[:2], False).as_text()
+  hlo = [sol._forward.lower(x, *sol._device_subject(sol.offsets)[:2], False).as_text()
          for sol in (sparse, solver)]
   assert hlo[0] != hlo[1]  # another evaluation was compiled, not the dense one again
   with pytest.raises(ValueError, match='form must be'):
