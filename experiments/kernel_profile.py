@@ -1,10 +1,11 @@
 """Where a compiled IK-GAT forward's time goes, kernel by kernel (XLA's own CPU trace).
 
   taskset -c 0 python -m experiments.kernel_profile [--checkpoint=DIR] [--batch=32]
-      [--attention=auto] [--calls=50] [--top=20]
+      [--attention=auto] [--calls=50] [--top=20] [--live]
 
 Times `--calls` calls of the network and its conversion to local rotations
-(`inference.ikgat_infer`, blocks as the backend runs them) at `--batch` frames, untraced (the
+(`inference.ikgat_infer`, blocks as the backend runs them) at `--batch` frames (`--live`:
+`IKSolver.step`'s own executable on one frame, as a live stream runs it), untraced (the
 median of 7 rounds), then traces as many with XLA's per-kernel events on
 (`--xla_cpu_enable_xprof_traceme=true`, added to XLA_FLAGS before JAX starts its backend) and
 sums each kernel's time per call (`jax.profiler.ProfileData`). Prints the kernels grouped by
@@ -31,6 +32,8 @@ _BATCH = flags.DEFINE_integer('batch', 32, 'Frames per call.', lower_bound=1)
 _ATTENTION = flags.DEFINE_enum('attention', 'auto', ['dense', 'auto', 'sparse'],
                                'How the graph attention is evaluated (gat.set_form).')
 _CALLS = flags.DEFINE_integer('calls', 50, 'Calls timed, and traced.', lower_bound=1)
+_LIVE = flags.DEFINE_bool('live', False, 'Profile `IKSolver.step`\'s own executable instead (one '
+                          'frame; the model and the subject compiled in): --batch is ignored.')
 _TOP = flags.DEFINE_integer('top', 20, 'Kernel groups and single kernels printed.',
                             lower_bound=1)
 # An HLO instruction's name (lower case, no spaces): the host's events (ThunkExecutor::Execute,
@@ -82,14 +85,22 @@ def main(argv):
   if jax.default_backend() != 'cpu':
     raise ValueError(f'XLA\'s per-kernel trace events are the CPU backend\'s; this backend is '
                      f'{jax.default_backend()}')
-  model, _ = inference.load_model(_CKPT.value or inference.SHIPPED_IKGAT)
-  rig = model.rig
-  gat.set_form(model, _ATTENTION.value)
-  B = bone_frames.bone_frames(jnp.asarray(rig.template(), jnp.float32), rig)[None]
-  forward = jax.jit(lambda p: inference.ikgat_infer(model, {'positions': p, 'bone_frames': B}))
+  from ik_gat_jax.solver import IKSolver  # pylint: disable=import-outside-toplevel
+  batch = 1 if _LIVE.value else _BATCH.value
   rng = np.random.default_rng(0)
+  if _LIVE.value:
+    solver = IKSolver.from_checkpoint(_CKPT.value, attention=_ATTENTION.value)
+    forward = solver._default_step()  # pylint: disable=protected-access
+    rig = solver.rig
+  else:
+    model, _ = inference.load_model(_CKPT.value or inference.SHIPPED_IKGAT)
+    rig = model.rig
+    gat.set_form(model, _ATTENTION.value)
+    B = bone_frames.bone_frames(jnp.asarray(rig.template(), jnp.float32), rig)[None]
+    forward = jax.jit(lambda p: inference.ikgat_infer(model, {'positions': p,
+                                                              'bone_frames': B}))
   p = jnp.asarray(rig.template().cumsum(0)[None] + 0.05 * rng.normal(
-      size=(_BATCH.value, rig.num_joints, 3)), jnp.float32)
+      size=(batch, rig.num_joints, 3)), jnp.float32)
   n = _CALLS.value
   for _ in range(5):
     jax.block_until_ready(forward(p))
@@ -111,7 +122,8 @@ def main(argv):
     raise RuntimeError('the trace holds no kernel events (XLA_FLAGS: '
                        f'{os.environ.get("XLA_FLAGS")!r})')
   total = sum(us for us, _ in times.values())
-  print(f'IK-GAT {_CKPT.value or inference.SHIPPED_IKGAT}, batch {_BATCH.value}, attention '
+  what = 'step\'s executable, one frame' if _LIVE.value else f'batch {batch}'
+  print(f'IK-GAT {_CKPT.value or inference.SHIPPED_IKGAT}, {what}, attention '
         f'{_ATTENTION.value}, blocks of {inference.micro_batch_size()}: untraced '
         f'{np.median(rounds):.3f} ms per call (median of 7 rounds of {n}); traced kernels '
         f'{total / 1e3:.3f} ms per call, {len(times)} kernels')

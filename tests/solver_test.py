@@ -279,6 +279,20 @@ def test_unit_and_axis_warnings(solver):
   assert any('up axis looks wrong' in m for m in _warnings_of(lambda: solver.solve(upside_down)))
 
 
+def test_plausibility_of_a_long_clip_on_spread_frames(solver):
+  """A long clip is judged on at most `_PLAUSIBILITY_FRAMES` frames spread over it: the same
+  warnings as the whole clip's for a unit or axis problem, and none for a good clip."""
+  rig = solver.rig
+  n = 3 * solver_lib._PLAUSIBILITY_FRAMES + 7
+  pos = posed_clip(rig, solver.offsets, T=n, scale=0.2)
+  assert solver_lib.check_plausibility(pos, rig) == []
+  msgs = _warnings_of(lambda: solver_lib.check_plausibility(pos * 100, rig))
+  assert len(msgs) == 1 and 'looks like centimetres' in msgs[0] and '100x' in msgs[0], msgs
+  z_up = pos @ parse_input_axes('x,z,-y')
+  assert any('--input_axes=x,z,-y' in m
+             for m in _warnings_of(lambda: solver_lib.check_plausibility(z_up, rig)))
+
+
 def test_input_axes():
   M = parse_input_axes('x,z,-y')
   np.testing.assert_array_equal(M @ np.array([1.0, 2.0, 3.0]), [1.0, 3.0, -2.0])
