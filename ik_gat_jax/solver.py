@@ -694,6 +694,7 @@ class IKSolver:
                                            self._fps, self._prior, self.mirror)
                          if self.temporal_filter.active else None)
     self._stream_execs = {}  # `_stream_step` compiled ahead, per sparse-input signature
+    self._stream_offsets = None  # the offsets its 'own subject' entry was compiled for
 
   @property
   def offsets(self) -> np.ndarray:
@@ -909,8 +910,9 @@ class IKSolver:
   def _default_step(self):
     """`step`'s executable for the solver's own subject (`self.offsets`), no sparse input: one
     frame `[1, J, 3]` float32 -> local `[J, 3, 3]`, with the subject's offsets and bone frames
-    compiled in as constants too, so a call passes the frame alone: 7 us less per live frame than the bucket-1
-    forward with the subject as arguments (BENCHMARKS.md, issue N, session 30)."""
+    compiled in as constants too, so a call passes the frame alone: 7 us less per live frame
+    than the bucket-1 forward with the subject as arguments (BENCHMARKS.md, issue N, session
+    30)."""
     if self._step_exec is not None and self._step_offsets is self.offsets:
       return self._step_exec
     off, B = (np.asarray(a) for a in self._device_subject(self.offsets)[:2])
@@ -1112,9 +1114,10 @@ class IKSolver:
                        f'frames {list(pos.shape)}; use solve() for a clip or solve_stream() '
                        'for batches')
     sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
-    if (offsets is None and sparse is None and self._history is None
-        and self._stream_step is None):  # the common live frame: one argument, one call
-      return np.asarray(self._default_step()(np.asarray(pos, np.float32)))
+    if offsets is None and sparse is None and self._history is None:  # the common live frame
+      if self._stream_step is None:  # one argument, one call
+        return np.asarray(self._default_step()(np.asarray(pos, np.float32)))
+      return self._step_filtered_own(np.asarray(pos, np.float32))
     off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
     subject = self._device_subject(off)
     sparse = self._stream_history(pos) or sparse  # window models take no other sparse input
@@ -1136,6 +1139,19 @@ class IKSolver:
     if exe is None:
       exe = self._stream_execs[key] = self._stream_step.lower(*args).compile()
     self._filter_state, out = exe(*args)
+    return np.asarray(out)
+
+  def _step_filtered_own(self, x: np.ndarray) -> np.ndarray:
+    """`_step_filtered` on the solver's own subject, no sparse input: the subject compiled in
+    as constants (`_default_step`), so a call passes the filter state and the frame."""
+    exe = self._stream_execs.get('own subject')
+    fstate = self._filter_state or temporal.init_state(self.rig.num_joints)
+    if exe is None or self._stream_offsets is not self.offsets:
+      off, B = (np.asarray(a) for a in self._device_subject(self.offsets)[:2])
+      stream_step = self._stream_step
+      exe = jax.jit(lambda fs, p: stream_step(fs, p, off, B)).lower(fstate, x).compile()
+      self._stream_execs['own subject'], self._stream_offsets = exe, self.offsets
+    self._filter_state, out = exe(fstate, x)
     return np.asarray(out)
 
   def _step_forward(self, pos: np.ndarray, subject, sparse=None) -> np.ndarray:

@@ -192,6 +192,11 @@ def test_solver_clip_and_stream_filter_on_a_noisy_real_clip(cmu_dir):
   solver.temporal_filter = ONE_EURO
   solver.step(pos[15], offsets=off)
   assert not np.allclose(solver.step(pos[16], offsets=off), raw[16], atol=1e-4)
+  # The solver's own subject (compiled into its stream step): the clip's filtered frames too.
+  solver.offsets = off
+  solver.reset()
+  own = np.stack([solver.step(f) for f in pos[:8]])
+  np.testing.assert_allclose(own, sol.local_rot[:8], atol=1e-5)
   with pytest.raises(TypeError, match='FilterConfig'):
     solver.temporal_filter = 'one_euro'
 
