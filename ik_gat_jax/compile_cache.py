@@ -29,6 +29,7 @@ recompile (JAX catches read errors).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
@@ -36,7 +37,7 @@ import platform
 import re
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -181,8 +182,8 @@ def store_executable(key: str, compiled: Any, args: tuple) -> bool:
   serialise it, the check fails or the folder cannot be written. The check is not a
   formality: jaxlib 0.10.2's CPU client serialises an executable that JAX's own persistent
   cache served (rather than compiled) into one that loads but fails to run ('Function ...
-  not found'), so a program whose forward came from JAX's cache gets no entry and runs as
-  without this cache."""
+  not found'), so an executable that came from JAX's cache gets no entry (`compile_for_entry`
+  compiles one that does)."""
   path = _executable_file(key)
   if path is None:
     return False
@@ -200,6 +201,54 @@ def store_executable(key: str, compiled: Any, args: tuple) -> bool:
   except Exception:  # no serialisation on this backend, a failed load or run, a full folder
     return False
   return True
+
+
+# An XLA option that does not change the program (how many buffers XLA's verbose
+# buffer-assignment text lists) and that JAX's cache key includes (its dump options it leaves
+# out): `compile_for_entry` sets it to a number drawn from the entry's name, so JAX's key
+# differs and the executable is compiled, not served from JAX's cache.
+_FRESH_OPTION = 'xla_debug_buffer_assignment_show_max'
+
+
+def _no_jax_cache_write():
+  """A context in which JAX's persistent cache writes no entry (its minimum compile time set to
+  infinity, in this thread); a null context where JAX's internals differ."""
+  try:
+    from jax._src import config as jax_config  # internals: guarded
+    return jax_config.persistent_cache_min_compile_time_secs(float('inf'))
+  except Exception:  # another JAX: the entry may be written (and, keyed by this option, unused)
+    return contextlib.nullcontext()
+
+
+def _unstorable_file(key: str) -> Path | None:
+  return None if _executables_dir is None else _executables_dir / f'{key}.unstorable'
+
+
+def compile_for_entry(key: str | None, lower: Callable[[], Any], args: tuple) -> Any:
+  """`lower().compile()` on an executable cache miss for `key` (None: the cache is off), and
+  the result stored under `key` (`store_executable` with `args`).
+
+  An executable that JAX's own persistent cache served cannot be stored (`store_executable`),
+  and JAX's cache keys a program by its HLO, not by this package's code: after an update of the
+  package that leaves the HLO alone, or an entry lost, every later run would miss here, trace,
+  lower and fail to store again (0.8 s of a 1,918-frame solve; BENCHMARKS.md issue N session
+  30). So the miss compiles with an option that names the entry (`_FRESH_OPTION`, which changes
+  nothing in the program but JAX's key), a real compilation that stores. Where even that cannot
+  be stored (a backend without serialisation) a marker `KEY.unstorable` makes later runs
+  compile as without this cache, through JAX's. JAX's cache writes no entry for the option's
+  compilation, which nothing would read."""
+  marker = None if key is None else _unstorable_file(key)
+  if marker is None or marker.exists():
+    return lower().compile()
+  with _no_jax_cache_write():  # nor is it written there: no entry that a later miss would hit
+    exe = lower().compile(compiler_options={_FRESH_OPTION: 1_000_000 + int(key[:12], 16)})
+  if not store_executable(key, exe, args):
+    try:
+      marker.parent.mkdir(parents=True, exist_ok=True)
+      marker.touch()
+    except OSError:
+      pass
+  return exe
 
 
 def status() -> dict:

@@ -949,9 +949,7 @@ class IKSolver:
           f'{self._description}\n{signature}\n{jax.tree.structure(args)}\n{avals}')
       exe = compile_cache.load_executable(key)
     if exe is None:
-      exe = lower().compile()
-      if key is not None:
-        compile_cache.store_executable(key, exe, args)
+      exe = compile_cache.compile_for_entry(key, lower, args)
     self._executables[signature] = exe
     return exe
 
