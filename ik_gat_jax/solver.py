@@ -983,7 +983,7 @@ class IKSolver:
       out = self._filter_clip(out, pos, subject)
     if not full:
       return out['local_rot'][0] if single else out['local_rot']
-    return Solution(positions=pos.astype(np.float32), offsets=off,
+    return Solution(positions=pos.astype(np.float32), offsets=np.array(off),  # the caller's copy
                     bone_frames=subject[2], **out)
 
   def _solve_chunks(self, pos: np.ndarray, subject, full: bool, progress: bool | None,

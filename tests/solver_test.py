@@ -351,6 +351,7 @@ def test_step_of_the_solvers_subject_is_any_subjects_step(solver):
   saved = solver.offsets
   with pytest.raises(ValueError, match='read-only'):
     solver.offsets[0, 0] = 1.0
+  assert solver.solve(pos[:2], full=True).offsets.flags.writeable  # a solution's own copy
   np.testing.assert_allclose(solver.step(pos[1]), solver.step(pos[1], offsets=saved.copy()),
                              atol=1e-6)
   other = saved + 0.03 * np.random.default_rng(0).standard_normal(saved.shape)  # new directions
