@@ -704,6 +704,8 @@ class IKSolver:
   @offsets.setter
   def offsets(self, value) -> None:
     value = np.array(check_offsets(value, self.rig), np.float64)  # a copy of the caller's
+    if getattr(self, '_offsets', None) is not None and np.array_equal(value, self._offsets):
+      return  # the same subject: `step`'s executable stays
     value.flags.writeable = False  # `_default_step` compiled it in; a new subject recompiles
     self._offsets = value
 

@@ -364,6 +364,10 @@ def test_step_of_the_solvers_subject_is_any_subjects_step(solver):
   finally:
     solver.offsets = saved
   np.testing.assert_allclose(solver.step(pos[2]), solver.step(pos[2], offsets=saved), atol=1e-6)
+  current, traces = solver.offsets, solver.trace_count
+  solver.offsets = saved.copy()  # the same subject again: kept, nothing recompiles
+  solver.step(pos[3])
+  assert solver.offsets is current and solver.trace_count == traces
 
 
 def test_long_clip_in_chunks_with_progress(tmp_path_factory, solver, monkeypatch):
