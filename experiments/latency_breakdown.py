@@ -113,7 +113,7 @@ def breakdown(solver: IKSolver, frames: np.ndarray, calls: int) -> dict:
   cost = exe.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   flops = float(cost.get('flops', float('nan')))
-  d = max(int(l.shape[-1]) for l in jax.tree.leaves(solver._consts) if getattr(l, 'ndim', 0) == 2
+  d = max(int(l.shape[-1]) for l in solver._leaves if getattr(l, 'ndim', 0) == 2
           and l.shape[0] == l.shape[1])
   rate = _matmul_gflops(J, d)
   return {'ms': parts, 'flops_per_frame': flops, 'kernels': kernel_counts(exe),

@@ -38,14 +38,14 @@ refinement (which runs on a chunk's every frame) or with `block_size` at most on
 of `block_size`, or one per worker for a clip shorter than workers x block_size, the last in its
 own bucket when that is compiled already, else padded to a whole chunk, so a long clip never
 compiles a second shape (0.3 s from the persistent cache, seconds without).
-Each shape is compiled ahead (`lower().compile()`) once per solver, with the model's state
-compiled in as constants (a call passes the frames and the subject, not the 23 weight arrays of
-the base model: 0.04 ms of a live frame); `step` on the solver's own subject (`offsets`, which
-is read-only: assign new offsets to change it) has an executable of its own with the subject
-compiled in too, so its call passes the frame alone. After the command line's
-`compile_cache.enable()`, a shape compiled by an earlier run is loaded whole from the
-executable cache (compile_cache.py; its entries are keyed by the weights too), neither traced
-nor lowered.
+Each shape is compiled ahead (`lower().compile()`) once per solver, the model's state an
+argument (one copy of the weights for every shape); `step` on the solver's own subject
+(`offsets`, which is read-only: assign new offsets to change it) has an executable of its own
+with the model's state and the subject compiled in as constants, so its call passes the frame
+alone (the base model's 23 weight arrays and the subject as arguments were 0.05 ms of a live
+frame). After the command line's `compile_cache.enable()`, a shape compiled by an earlier run
+is loaded whole from the executable cache (compile_cache.py; `step`'s entry is keyed by what it
+compiles in), neither traced nor lowered.
 
 Input checks (`check_positions`, `check_plausibility`): wrong shape or joint count and NaN/inf
 raise `InputError` (a ValueError) naming the expected joints or the frame and joint; bone
@@ -453,16 +453,16 @@ def default_workers() -> int:
   return max(1, min(cores, MAX_WORKERS))
 
 
-def _host_constants(tree):
-  """`tree` with its arrays as numpy (PRNG keys as they are): closed over by a jitted function,
-  they are compiled into the executable as constants (`_make_forward`)."""
-  return jax.tree.map(lambda x: x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-                      else np.asarray(x), tree)
+def _host_constants(leaves: list) -> list:
+  """`leaves` as numpy (PRNG keys as they are): passed by a jitted function's trace to the
+  forward, they are compiled into its executable as constants (`IKSolver._default_step`)."""
+  return [x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x)
+          for x in leaves]
 
 
 def _constants_digest(tree) -> str:
-  """sha256 of `tree`'s arrays (dtype, shape, bytes): the executable cache's key part for the
-  constants compiled in (`_host_constants`)."""
+  """sha256 of `tree`'s arrays (dtype, shape, bytes): the executable cache's key part for
+  arrays compiled in as constants."""
   h = hashlib.sha256()
   for x in jax.tree.leaves(tree):
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -473,15 +473,15 @@ def _constants_digest(tree) -> str:
   return h.hexdigest()
 
 
-def _make_forward(graphdef, consts, rig: Rig, counter: list[int], refine=None, prior=None,
+def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None, prior=None,
                   mirror: bool = False):
-  """jit((positions [b, J, 3], offsets [J, 3], B [J, 3, 3]), full static) -> dict.
+  """jit((state leaves, positions [b, J, 3], offsets [J, 3], B [J, 3, 3]), full static) -> dict.
 
-  The model state (with the refinement's prior state: `consts = (state, prior_state)`, arrays
-  as numpy: `_host_constants`) is closed over, so XLA compiles it into the executable as
-  constants: a call passes the frame and the subject only. Each array argument costs a call
-  about 1.6 us on the CPU, so the base model's 23 state arrays as arguments took 0.04 ms of a
-  0.28 ms live frame (BENCHMARKS.md, issue N, session 30); the outputs are bit for bit the same.
+  The model state (with the refinement's prior state: `(state, prior_state)`) goes in as its
+  flat list of leaves (`treedef` rebuilds it at trace time): a call then skips flattening the
+  nested nnx State, ~25 us of a ~0.4 ms live frame. The clip path passes the leaves as
+  arguments (one copy of the weights for every bucket); `step` passes them as numpy at trace
+  time, so they are compiled in (`IKSolver._default_step`).
 
   `refine` (an `iterative_ik.SolverConfig`): amortized + refine, a few anchored iterations of the
   rotation solver from IK-GAT's output (issues G1, J; BENCHMARKS.md), with the pose prior
@@ -490,10 +490,9 @@ def _make_forward(graphdef, consts, rig: Rig, counter: list[int], refine=None, p
   frames are the chunk, the rest its padding, whose blocks of the network are skipped.
   """
 
-  state, prior_state = consts
-
-  def forward(positions, offsets, B, full, sparse=None, num_valid=None):
+  def forward(leaves, positions, offsets, B, full, sparse=None, num_valid=None):
     counter[0] += 1  # runs at trace time only: counts compilations
+    state, prior_state = jax.tree.unflatten(treedef, leaves)
     local = _infer(graphdef, rig, refine, state, positions, offsets, B, sparse,
                    (prior, prior_state) if prior is not None else None, mirror, num_valid)
     if not full:
@@ -503,7 +502,7 @@ def _make_forward(graphdef, consts, rig: Rig, counter: list[int], refine=None, p
       p = p - jnp.mean(p - positions, axis=1, keepdims=True)
     return {'local_rot': local, 'global_rot': G, 'bone_aligned_rot': G @ B, 'positions_fk': p}
 
-  return jax.jit(forward, static_argnums=3)
+  return jax.jit(forward, static_argnums=4)
 
 
 def _infer(graphdef, rig: Rig, refine, state, positions, offsets, B, sparse=None, prior=None,
@@ -516,17 +515,16 @@ def _infer(graphdef, rig: Rig, refine, state, positions, offsets, B, sparse=None
                                prior=prior, mirror=mirror, num_valid=num_valid)
 
 
-def _make_stream_step(graphdef, consts, rig: Rig, counter: list[int], refine,
+def _make_stream_step(graphdef, treedef, rig: Rig, counter: list[int], refine,
                       config: temporal.FilterConfig, fps: float, prior=None,
                       mirror: bool = False):
-  """jit((filter state, one frame [1, J, 3], offsets, B, sparse)) -> (filter state, filtered
-  local [J, 3, 3]): network and temporal filter in one call, so a filtered live stream pays one
-  dispatch per frame, not two (measured: +42% latency as two calls). The model state is
-  compiled in as constants (`_make_forward`)."""
-  state, prior_state = consts
+  """jit((state leaves, filter state, one frame [1, J, 3], offsets, B, sparse)) -> (filter state,
+  filtered local [J, 3, 3]): network and temporal filter in one call, so a filtered live stream
+  pays one dispatch per frame, not two (measured: +42% latency as two calls)."""
 
-  def step(fstate, positions, offsets, B, sparse=None):
+  def step(leaves, fstate, positions, offsets, B, sparse=None):
     counter[0] += 1
+    state, prior_state = jax.tree.unflatten(treedef, leaves)
     local = _infer(graphdef, rig, refine, state, positions, offsets, B, sparse,
                    (prior, prior_state) if prior is not None else None, mirror)
     return temporal.filter_step(fstate, local[0], config, fps)
@@ -629,13 +627,13 @@ class IKSolver:
     # The refinement's pose prior (issue J): a `vposer.PosePrior` for this rig, or None.
     self._prior, prior_state = (vposer.decoder(refine_prior)
                                 if refine_iters > 0 and refine_prior is not None else (None, None))
-    # The model state, compiled into every executable as constants (`_make_forward`).
-    self._consts = _host_constants((state, prior_state))
+    self._leaves, self._treedef = jax.tree.flatten((state, prior_state))
+    self._const_leaves = None  # `_host_constants(self._leaves)`, for `step`, on first use
     self._traces = [0]
     self.refine = None
     if refine_iters > 0:
       self.refine = iterative_ik.refine_config(refine_iters, prior=self._prior is not None)
-    self._forward = _make_forward(graphdef, self._consts, self.rig, self._traces, self.refine,
+    self._forward = _make_forward(graphdef, self._treedef, self.rig, self._traces, self.refine,
                                   self._prior, self.mirror)
     self._step_exec = None  # `_default_step`, compiled on first use
     self._step_offsets = None  # the offsets it was compiled for
@@ -689,7 +687,7 @@ class IKSolver:
   def _new_filter_stream(self) -> None:
     """A fresh filter state and the stream step of the current filter and fps."""
     self._filter_state = None
-    self._stream_step = (_make_stream_step(self._graphdef, self._consts, self.rig,
+    self._stream_step = (_make_stream_step(self._graphdef, self._treedef, self.rig,
                                            self._traces, self.refine, self.temporal_filter,
                                            self._fps, self._prior, self.mirror)
                          if self.temporal_filter.active else None)
@@ -896,32 +894,41 @@ class IKSolver:
     # are skipped (one shape serves every chunk size; `inference.ikgat_infer`).
     mb = inference.micro_batch_size()
     num_valid = np.int32(n) if mb and b > mb else None
-    args = (np.asarray(pos, np.float32), off, B, sparse, num_valid)
+    args = (self._leaves, np.asarray(pos, np.float32), off, B, sparse, num_valid)
     return self._executable(full, args), args, n
 
   def _executable(self, full: bool, args: tuple):
-    """The forward compiled ahead (`lower().compile()`) for `args` = (positions, offsets, B,
-    sparse, num_valid): once per argument signature and process (`_compiled`)."""
+    """The forward compiled ahead (`lower().compile()`) for `args` = (leaves, positions,
+    offsets, B, sparse, num_valid): once per argument signature and process (`_compiled_for`)."""
     # positions [b, J, 3] and the sparse inputs vary; offsets and B are the rig's float32 arrays.
-    pos, sparse = args[0], args[3]
+    pos, sparse = args[1], args[4]
     signature = (full, pos.shape, pos.dtype.str, None if sparse is None else tuple(
         (k, v.shape, v.dtype.str) for k, v in sorted(sparse.items())))
     return self._compiled_for(signature, args,
-                              lambda: self._forward.lower(*args[:3], full, *args[3:]))
+                              lambda: self._forward.lower(args[0], *args[1:4], full, *args[4:]))
+
+  def _constants(self) -> list:
+    """The model state's leaves as numpy (`_host_constants`), made once: what `step`'s
+    executables compile in."""
+    if self._const_leaves is None:
+      self._const_leaves = _host_constants(self._leaves)
+    return self._const_leaves
 
   def _default_step(self):
     """`step`'s executable for the solver's own subject (`self.offsets`), no sparse input: one
-    frame `[1, J, 3]` float32 -> local `[J, 3, 3]`, with the subject's offsets and bone frames
-    compiled in as constants too, so a call passes the frame alone: 7 us less per live frame
-    than the bucket-1 forward with the subject as arguments (BENCHMARKS.md, issue N, session
-    30)."""
+    frame `[1, J, 3]` float32 -> local `[J, 3, 3]`, with the model's state and the subject's
+    offsets and bone frames compiled in as constants, so a call passes the frame alone. Each
+    array argument costs a call about 1.6 us on the CPU: the base model's 23 state arrays and
+    the subject as arguments took 0.05 ms of a 0.30 ms live frame (BENCHMARKS.md, issue N,
+    session 30); the outputs are bit for bit the same. One copy of the weights in this
+    executable; the clip path's buckets take them as arguments (big models, many buckets)."""
     if self._step_exec is not None and self._step_offsets is self.offsets:
       return self._step_exec
     off, B = (np.asarray(a) for a in self._device_subject(self.offsets)[:2])
     x = np.zeros((1, self.rig.num_joints, 3), np.float32)
-    forward = self._forward
-    step = jax.jit(lambda p: forward(p, off, B, False)['local_rot'][0])
-    signature = ('step', hashlib.sha256(off.tobytes() + B.tobytes()).hexdigest())
+    forward, leaves = self._forward, self._constants()
+    step = jax.jit(lambda p: forward(leaves, p, off, B, False)['local_rot'][0])
+    signature = ('step', _constants_digest((leaves, off, B)))
     self._step_exec = self._compiled_for(signature, (x,), lambda: step.lower(x))
     self._step_offsets = self.offsets
     return self._step_exec
@@ -930,23 +937,23 @@ class IKSolver:
     """`lower().compile()` for `args`, once per `signature` and process. Once the command line
     turned its caches on (`compile_cache.executables_dir()`), a signature compiled by an earlier
     run is loaded from the executable cache, skipping tracing and lowering too (0.3 s of a CLI
-    solve); its entry's name hashes the model's graph definition, its state (compiled in as
-    constants), the refinement, the block size of the forward, the signature and every
-    argument's shape and dtype (compile_cache.py adds the code, versions, devices, CPU and
-    flags)."""
+    solve); its entry's name hashes the model's graph definition and state shapes, the
+    refinement, the block size of the forward, the signature (`step`'s: a digest of what it
+    compiles in) and every argument's shape and dtype (compile_cache.py adds the code,
+    versions, devices, CPU and flags)."""
     exe = self._executables.get(signature)
     if exe is not None:
       return exe
     key = None
     if compile_cache.executables_dir() is not None:
       if self._description is None:
-        self._description = (f'ik_gat_jax.solver forward\n{self._graphdef!r}\n'
-                             f'state {_constants_digest(self._consts)}\n'
+        self._description = (f'ik_gat_jax.solver forward\n{self._graphdef!r}\n{self._treedef}\n'
+                             f'{[(x.shape, x.dtype.name) for x in self._leaves]}\n'
                              f'refine={self.refine!r}\nprior={self._prior!r}\n'
                              f'mirror={self.mirror}\n'
                              f'micro_batch={inference.micro_batch_size()}'
                              f' of {inference.MICRO_BATCH_CPU}')
-      avals = [(np.shape(a), np.dtype(a.dtype).name) for a in jax.tree.leaves(args)]
+      avals = [(np.shape(a), str(a.dtype)) for a in jax.tree.leaves(args)]
       key = compile_cache.executable_key(
           f'{self._description}\n{signature}\n{jax.tree.structure(args)}\n{avals}')
       exe = compile_cache.load_executable(key)
@@ -1132,7 +1139,7 @@ class IKSolver:
     dispatch with `jnp.asarray` first (BENCHMARKS.md, issue N, session 16)."""
     fstate = self._filter_state or temporal.init_state(self.rig.num_joints)
     sparse = _numpy_inputs(sparse)
-    args = (fstate, np.asarray(pos, np.float32), subject[0], subject[1], sparse)
+    args = (self._leaves, fstate, np.asarray(pos, np.float32), subject[0], subject[1], sparse)
     key = None if sparse is None else tuple((k, v.shape, v.dtype.str)
                                             for k, v in sorted(sparse.items()))
     exe = self._stream_execs.get(key)
@@ -1142,14 +1149,15 @@ class IKSolver:
     return np.asarray(out)
 
   def _step_filtered_own(self, x: np.ndarray) -> np.ndarray:
-    """`_step_filtered` on the solver's own subject, no sparse input: the subject compiled in
-    as constants (`_default_step`), so a call passes the filter state and the frame."""
+    """`_step_filtered` on the solver's own subject, no sparse input: the model's state and
+    the subject compiled in as constants (`_default_step`), so a call passes the filter state
+    and the frame."""
     exe = self._stream_execs.get('own subject')
     fstate = self._filter_state or temporal.init_state(self.rig.num_joints)
     if exe is None or self._stream_offsets is not self.offsets:
       off, B = (np.asarray(a) for a in self._device_subject(self.offsets)[:2])
-      stream_step = self._stream_step
-      exe = jax.jit(lambda fs, p: stream_step(fs, p, off, B)).lower(fstate, x).compile()
+      stream_step, leaves = self._stream_step, self._constants()
+      exe = jax.jit(lambda fs, p: stream_step(leaves, fs, p, off, B)).lower(fstate, x).compile()
       self._stream_execs['own subject'], self._stream_offsets = exe, self.offsets
     self._filter_state, out = exe(fstate, x)
     return np.asarray(out)
@@ -1161,7 +1169,7 @@ class IKSolver:
     executable's own transfer is ~70 us faster than `jnp.asarray` first
     (experiments/latency_breakdown.py, BENCHMARKS.md "One live frame")."""
     off, B, _ = subject
-    args = (np.asarray(pos, np.float32), off, B, _numpy_inputs(sparse), None)
+    args = (self._leaves, np.asarray(pos, np.float32), off, B, _numpy_inputs(sparse), None)
     return np.asarray(self._executable(False, args)(*args)['local_rot'])[0]
 
   def solve_stream(self, frames: Iterable, offsets=None) -> Iterator[np.ndarray]:

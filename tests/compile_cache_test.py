@@ -296,14 +296,18 @@ def test_executable_cache_skips_tracing_and_gives_the_same_bits(tmp_path, monkey
   np.testing.assert_array_equal(third.solve(clip, full=True).local_rot, want.local_rot)
   assert third.trace_count == 1
   assert compile_cache.load_executable(entries[0].stem) is not None
-  # The weights are compiled in as constants: the same architecture with other weights (a
-  # fine-tuned copy) is another entry, never the shipped model's executable.
+  # The same architecture with other weights (a fine-tuned copy): a clip takes the weights as
+  # an argument (the entry may be shared, the answer is its own); `step` compiles them in, so
+  # its entry is another one, never the shipped model's.
   model, meta = inference.load_model(inference.SHIPPED_IKGAT)
-  state = nnx.state(model, nnx.Param)
-  nnx.update(model, jax.tree.map(lambda x: x * 1.01, state))
+  nnx.update(model, jax.tree.map(lambda x: x * 1.01, nnx.state(model, nnx.Param)))
   tuned = solver_lib.IKSolver(model, meta)
-  other = tuned.solve(clip, full=True)
-  assert tuned.trace_count == 1 and np.abs(other.local_rot - want.local_rot).max() > 1e-4
+  assert np.abs(tuned.solve(clip, full=True).local_rot - want.local_rot).max() > 1e-4
+  before = tuned.trace_count
+  step = tuned.step(clip[0])
+  assert tuned.trace_count == before + 1
+  assert np.abs(step - second.step(clip[0])).max() > 1e-4
+  np.testing.assert_allclose(step, tuned.solve(clip[:1])[0], atol=2e-5)
   # Names: the description and the environment count, object addresses do not.
   key = compile_cache.executable_key('f <function g at 0x7f00aa>')
   assert compile_cache.executable_key('f <function g at 0x7f11bb>') == key

@@ -504,7 +504,7 @@ def test_sparse_attention_solves_the_same(tmp_path_factory, solver):
   pos = posed_clip(sparse.rig, sparse.offsets, T=20, scale=0.2)
   np.testing.assert_allclose(sparse.solve(pos), solver.solve(pos), atol=2e-5)
   x = np.zeros((32,) + pos.shape[1:], np.float32)
-  hlo = [sol._forward.lower(x, *sol._device_subject(sol.offsets)[:2], False).as_text()
+  hlo = [sol._forward.lower(sol._leaves, x, *sol._device_subject(sol.offsets)[:2], False).as_text()
          for sol in (sparse, solver)]
   assert hlo[0] != hlo[1]  # another evaluation was compiled, not the dense one again
   with pytest.raises(ValueError, match='form must be'):
