@@ -141,6 +141,9 @@ def test_the_refinement_uses_the_shipped_prior_where_it_fits_the_rig(cmu_shards)
   clean_err = [err(s, clean) for s in solvers]
   assert noisy_err[0] < noisy_err[1] - 0.3, noisy_err
   assert abs(clean_err[0] - clean_err[1]) < 0.2, clean_err
+  # A live frame refines alike (`step` compiles the model, the prior and the subject in).
+  np.testing.assert_allclose(solvers[0].step(noisy[3]), solvers[0].solve(noisy[3:4])[0],
+                             atol=1e-4)
 
 
 def test_mirror_averaging_on_real_frames(cmu_shards):
