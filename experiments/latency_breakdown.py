@@ -6,6 +6,9 @@
 Every part is timed alone, interleaved with the others in rounds (medians over all rounds, so a
 change in the machine's load hits every part alike), in ms per frame:
   step            `IKSolver.step(frame)`: numpy in -> numpy out, everything included
+  step_any_subject  `IKSolver.step(frame, offsets=...)` with the solver's own offsets given:
+                  the general path, whose executable takes the model's state and the subject
+                  as arguments (`step` compiles them in)
   host_checks     shape/finite checks, the sparse-input check
   executable      step's compiled forward (network + conversion to local rotations; the model
                   and the solver's subject compiled in as constants) on a frame
@@ -37,6 +40,9 @@ from ik_gat_jax import data, inference, provenance
 from ik_gat_jax.io import atomic
 from ik_gat_jax.skeleton import rest_positions_np
 from ik_gat_jax.solver import IKSolver, check_positions
+
+PARTS = ('step', 'step_any_subject', 'host_checks', 'to_device', 'executable', 'to_host',
+         'python_rest', 'dispatch_floor', 'numpy_reduction')  # in the order printed
 
 _CKPT = flags.DEFINE_string('checkpoint', None, 'IK-GAT run or checkpoint (default: shipped).')
 _DATA = flags.DEFINE_string('data', None, 'Shards whose val frames are fed (default: the rest '
@@ -87,6 +93,8 @@ def breakdown(solver: IKSolver, frames: np.ndarray, calls: int) -> dict:
   for f in frames[:50]:
     solver.step(f)  # compiles step's executable, warms the caches
   exe = solver._default_step()  # pylint: disable=protected-access
+  offsets = np.array(solver.offsets)
+  solver.step(frames[0], offsets=offsets)  # compiles the general path
   on_device = jnp.asarray(frames[:1], jnp.float32)
   floor = jax.jit(lambda x: x + 1).lower(on_device).compile()
   flags_ = np.ones(J, bool)
@@ -97,6 +105,7 @@ def breakdown(solver: IKSolver, frames: np.ndarray, calls: int) -> dict:
 
   parts = _median_ms({
       'step': solver.step,
+      'step_any_subject': lambda f: solver.step(f, offsets=offsets),
       'host_checks': host_checks,
       'executable': lambda f: exe(on_device).block_until_ready(),
       'numpy_in': lambda f: exe(np.asarray(f[None], np.float32)).block_until_ready(),
@@ -138,9 +147,8 @@ def main(argv):
   ms = result['ms']
   print(f"IK-GAT {solver.source}: one live frame, {len(result['cpus'])} core(s), "
         f"XLA_FLAGS={result['xla_flags']!r}")
-  for k in ('step', 'host_checks', 'to_device', 'executable', 'to_host', 'python_rest',
-            'dispatch_floor', 'numpy_reduction'):
-    print(f'  {k:15s} {ms[k]:7.3f} ms')
+  for k in PARTS:
+    print(f'  {k:16s} {ms[k]:7.3f} ms')
   print(f"  network: {result['flops_per_frame'] / 1e6:.1f} MFLOP/frame, kernels "
         f"{sum(result['kernels'].values())} ({result['kernels']}); "
         f"{result['square_matmul']['shape']} alone {result['square_matmul']['gflop_per_s']:.1f}"

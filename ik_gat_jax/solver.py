@@ -635,8 +635,7 @@ class IKSolver:
       self.refine = iterative_ik.refine_config(refine_iters, prior=self._prior is not None)
     self._forward = _make_forward(graphdef, self._treedef, self.rig, self._traces, self.refine,
                                   self._prior, self.mirror)
-    self._step_exec = None  # `_default_step`, compiled on first use
-    self._step_offsets = None  # the offsets it was compiled for
+    self._step_exec = None  # `_default_step`, compiled on first use (per subject: `offsets`)
     self._compiled: set[tuple] = set()  # `_signature`s of the clip chunks run so far
     self._executables: dict[tuple, object] = {}  # argument signature -> compiled forward
     self._description: str | None = None  # the executable cache's static part, on first use
@@ -692,7 +691,6 @@ class IKSolver:
                                            self._fps, self._prior, self.mirror)
                          if self.temporal_filter.active else None)
     self._stream_execs = {}  # `_stream_step` compiled ahead, per sparse-input signature
-    self._stream_offsets = None  # the offsets its 'own subject' entry was compiled for
 
   @property
   def offsets(self) -> np.ndarray:
@@ -703,9 +701,11 @@ class IKSolver:
   def offsets(self, value) -> None:
     value = np.array(check_offsets(value, self.rig), np.float64)  # a copy of the caller's
     if getattr(self, '_offsets', None) is not None and np.array_equal(value, self._offsets):
-      return  # the same subject: `step`'s executable stays
-    value.flags.writeable = False  # `_default_step` compiled it in; a new subject recompiles
+      return  # the same subject: `step`'s executables stay
+    value.flags.writeable = False  # `step`'s executables compile it in: changed only here,
     self._offsets = value
+    self._step_exec = None  # so a new subject drops them (compiled again on first use)
+    getattr(self, '_stream_execs', {}).pop('own subject', None)
 
   @classmethod
   def from_checkpoint(cls, path: str | os.PathLike | None = None, *, offsets=None,
@@ -907,12 +907,14 @@ class IKSolver:
     return self._compiled_for(signature, args,
                               lambda: self._forward.lower(args[0], *args[1:4], full, *args[4:]))
 
-  def _constants(self) -> list:
-    """The model state's leaves as numpy (`_host_constants`), made once: what `step`'s
-    executables compile in."""
+  def _compiled_in(self) -> tuple[list, np.ndarray, np.ndarray]:
+    """What `step`'s executables on the solver's own subject compile in as constants: the
+    model state's leaves as numpy (`_host_constants`, made once), the subject's float32
+    offsets and bone frames."""
     if self._const_leaves is None:
       self._const_leaves = _host_constants(self._leaves)
-    return self._const_leaves
+    off, B = (np.asarray(a) for a in self._device_subject(self.offsets)[:2])
+    return self._const_leaves, off, B
 
   def _default_step(self):
     """`step`'s executable for the solver's own subject (`self.offsets`), no sparse input: one
@@ -922,15 +924,14 @@ class IKSolver:
     the subject as arguments took 0.05 ms of a 0.30 ms live frame (BENCHMARKS.md, issue N,
     session 30); the outputs are bit for bit the same. One copy of the weights in this
     executable; the clip path's buckets take them as arguments (big models, many buckets)."""
-    if self._step_exec is not None and self._step_offsets is self.offsets:
+    if self._step_exec is not None:
       return self._step_exec
-    off, B = (np.asarray(a) for a in self._device_subject(self.offsets)[:2])
+    leaves, off, B = self._compiled_in()
     x = np.zeros((1, self.rig.num_joints, 3), np.float32)
-    forward, leaves = self._forward, self._constants()
+    forward = self._forward
     step = jax.jit(lambda p: forward(leaves, p, off, B, False)['local_rot'][0])
     signature = ('step', _constants_digest((leaves, off, B)))
     self._step_exec = self._compiled_for(signature, (x,), lambda: step.lower(x))
-    self._step_offsets = self.offsets
     return self._step_exec
 
   def _compiled_for(self, signature: tuple, args: tuple, lower: Callable[[], Any]):
@@ -1152,13 +1153,12 @@ class IKSolver:
     """`_step_filtered` on the solver's own subject, no sparse input: the model's state and
     the subject compiled in as constants (`_default_step`), so a call passes the filter state
     and the frame."""
-    exe = self._stream_execs.get('own subject')
+    exe = self._stream_execs.get('own subject')  # dropped by a new filter or subject
     fstate = self._filter_state or temporal.init_state(self.rig.num_joints)
-    if exe is None or self._stream_offsets is not self.offsets:
-      off, B = (np.asarray(a) for a in self._device_subject(self.offsets)[:2])
-      stream_step, leaves = self._stream_step, self._constants()
+    if exe is None:
+      (leaves, off, B), stream_step = self._compiled_in(), self._stream_step
       exe = jax.jit(lambda fs, p: stream_step(leaves, fs, p, off, B)).lower(fstate, x).compile()
-      self._stream_execs['own subject'], self._stream_offsets = exe, self.offsets
+      self._stream_execs['own subject'] = exe
     self._filter_state, out = exe(fstate, x)
     return np.asarray(out)
 
