@@ -24,6 +24,10 @@ cost, before training one. `--clip=FILE` (a BVH, or an npz / csv in metres) also
 whole with `IKSolver.solve` once per round (checks, retargeting and the chunks on `--threads`
 workers included, the same attention form; compiled by a first solve before any timing): the
 solver's clip path, its frames/s and its share of the round's matmul at the network's FLOPs.
+`--matmul_precision=bfloat16` runs the network's large products with bfloat16 inputs and float32
+sums (`model.set_matmul_precision`; the clip's solver too); each round then also times the 2048
+matmul done the same way, and a batch's line gives its share of that rate beside the float32
+one's.
 """
 
 import concurrent.futures
@@ -64,6 +68,8 @@ _DIMS = flags.DEFINE_string('dims', None, 'WIDTHxBLOCKS, e.g. 192x2: time an unt
                             'the checkpoint\'s config at that width and depth instead.')
 _CLIP = flags.DEFINE_string('clip', None, 'A clip (BVH, or npz / csv in metres) also solved whole '
                            'by IKSolver.solve each round, on --threads workers.')
+_PRECISION = flags.DEFINE_enum('matmul_precision', 'float32', ['float32', 'bfloat16'],
+                               "The network's large products (model.set_matmul_precision).")
 _ROUNDS = flags.DEFINE_integer('rounds', 3, 'Times the matmul and every batch size are timed in '
                                'turn; each round\'s share is of its own matmul.', lower_bound=1)
 
@@ -79,10 +85,13 @@ def main(argv):
   if _DIMS.value:
     model = untrained(model, _DIMS.value)
   gat.set_form(model, _ATTENTION.value)
+  model_lib.set_matmul_precision(model, _PRECISION.value)
+  options = inference.compiler_options(model)
   B = bone_frames.bone_frames(jnp.asarray(rig.template(), jnp.float32), rig)[None]
   micro = [None] if _MICRO.value is None else block_sizes(_MICRO.value)
   jitted = {mb: jax.jit(lambda p, mb=mb: inference.ikgat_infer(
-      model, {'positions': p, 'bone_frames': B}, micro_batch=mb)) for mb in micro}
+      model, {'positions': p, 'bone_frames': B}, micro_batch=mb), compiler_options=options)
+            for mb in micro}
   pool = concurrent.futures.ThreadPoolExecutor(_THREADS.value)
 
   def forward(parts, mb):  # one part: a plain call; several: at once, one thread each
@@ -91,12 +100,12 @@ def main(argv):
 
   # FLOPs from the network unblocked at batch 1: XLA counts a blocked batch's loop body once.
   whole = jax.jit(lambda p: inference.ikgat_infer(model, {'positions': p, 'bone_frames': B},
-                                                  micro_batch=0))
+                                                  micro_batch=0), compiler_options=options)
   rng = np.random.default_rng(0)
   print(f'IK-GAT ({model.config.size}, width {model.config.dims[0]}, {model.config.dims[1]} '
         f'blocks, {model_lib.param_count(model):,} parameters) forward + local rotations, '
         f'{jax.default_backend()}, {len(jax.devices())} device(s), attention on '
-        f'{_ATTENTION.value}, blocks of '
+        f'{_ATTENTION.value}, {_PRECISION.value} products, blocks of '
         f'{inference.micro_batch_size() if _MICRO.value is None else ",".join(_MICRO.value)}, '
         f'{_THREADS.value} thread(s) per batch')
   cost = whole.lower(jnp.zeros((1, rig.num_joints, 3), jnp.float32)).compile().cost_analysis()
@@ -114,16 +123,23 @@ def main(argv):
   for b, mb in keys:
     jax.block_until_ready(forward(inputs[b], mb))  # compile everything before any timing
   clip = _clip_solve(rig) if _CLIP.value else None
-  rates, times, clip_s = [], {k: [] for k in keys}, []
+  rates, times, clip_s, own = [], {k: [] for k in keys}, [], []
+  mixed = _PRECISION.value != 'float32'
   for r in range(_ROUNDS.value):
     if _MATMUL.value:
       rates.append(benchmark_suite.matmul_gflops(2048)['gflops_per_s'])
       print(f'round {r + 1}: float32 2048 x 2048 matmul {rates[-1]:.1f} GFLOP/s')
+      if mixed:
+        own.append(benchmark_suite.matmul_gflops(2048, precision=_PRECISION.value)[
+            'gflops_per_s'])
+        print(f'round {r + 1}: the same in {_PRECISION.value} products {own[-1]:.1f} GFLOP/s')
     for b, mb in keys:
       ms = time_forward(lambda p, mb=mb: forward(p, mb), inputs[b], max(_CALLS.value // b, 20))
       times[(b, mb)].append(ms)
       print(f'round {r + 1}: ' + line(b, ms, flops, rates[-1] if rates else None,
-                                      label[(b, mb)]))
+                                      label[(b, mb)])
+            + (f', {100 * b / np.median(ms) * 1e3 * flops / 1e9 / own[-1]:.1f}% of the '
+               f'{_PRECISION.value} one' if own else ''))
     if clip:
       t = time.perf_counter()
       clip[0]()
@@ -134,17 +150,21 @@ def main(argv):
     print(f'median of {_ROUNDS.value} rounds' + (f' (matmul {np.median(rates):.1f} GFLOP/s, '
                                                f'range {min(rates):.1f}-{max(rates):.1f})'
                                                if rates else '') + ':')
+    if own:
+      print(f'({_PRECISION.value} products matmul {np.median(own):.1f} GFLOP/s, range '
+            f'{min(own):.1f}-{max(own):.1f}; shares of it after the float32 ones)')
     for b, mb in keys:
       ms_rounds = times[(b, mb)]
       fps = [b / np.median(ms) * 1000 for ms in ms_rounds]
       ms_median = np.median([np.median(ms) for ms in ms_rounds])
       print(f'batch {label[(b, mb)]}: median {ms_median:.3f} ms, '
             f'{np.median(fps):,.0f} frames/s ({flops / 1e6:.2f} MFLOP/frame'
-            f'{round_shares(fps, flops, rates)})')
+            f'{round_shares(fps, flops, rates)}{round_shares(fps, flops, own)})')
     if clip:
       fps = [clip[1] / s for s in clip_s]
       print(f'clip {clip[1]:5d} frames: median {np.median(clip_s):.3f} s, '
-            f'{np.median(fps):,.0f} frames/s{round_shares(fps, flops, rates)}')
+            f'{np.median(fps):,.0f} frames/s{round_shares(fps, flops, rates)}'
+            f'{round_shares(fps, flops, own)}')
 
 
 def round_shares(fps: list[float], flops: float, rates: list[float]) -> str:
@@ -161,7 +181,8 @@ def _clip_solve(rig):
   """(a call solving --clip whole with IKSolver.solve, its number of frames), compiled by one
   solve first. The solver takes --checkpoint, --attention and --threads as its workers."""
   solver = IKSolver.from_checkpoint(_CKPT.value or inference.SHIPPED_IKGAT,
-                                    attention=_ATTENTION.value, workers=_THREADS.value)
+                                    attention=_ATTENTION.value, workers=_THREADS.value,
+                                    matmul_precision=_PRECISION.value)
   source = exports.read_positions(_CLIP.value, rig)
   offsets = source.offsets if source.metres_rig else None
 

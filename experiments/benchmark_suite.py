@@ -90,6 +90,7 @@ import numpy as np
 from ik_gat_jax import checkpointing
 from ik_gat_jax import data as data_lib
 from ik_gat_jax import evaluation
+from ik_gat_jax import gat
 from ik_gat_jax import inference
 from ik_gat_jax import input_pipeline
 from ik_gat_jax import iterative_ik
@@ -216,15 +217,22 @@ def blocked_throughput(solve: Callable, positions: jax.Array, offsets: jax.Array
           'ms_per_frame': 1e3 * median / n, 'calls': len(times), 'compile_s': first}
 
 
-def matmul_gflops(n: int, dtype: str = 'float32', min_seconds: float = 0.5) -> dict:
-  """GFLOP/s of an `n x n` by `n x n` matmul (2 n^3 FLOPs), jitted, median call time."""
+def matmul_gflops(n: int, dtype: str = 'float32', min_seconds: float = 0.5,
+                  precision: str | None = None) -> dict:
+  """GFLOP/s of an `n x n` by `n x n` matmul (2 n^3 FLOPs), jitted, median call time.
+  `precision` 'bfloat16': float32 matrices multiplied as IK-GAT's bfloat16 products are
+  (`gat.matmul`: bfloat16 inputs, float32 sums, with their XLA options)."""
   ka, kb = jax.random.split(jax.random.key(0))
   a = jax.random.normal(ka, (n, n), dtype)
   b = jax.random.normal(kb, (n, n), dtype)
   f = jax.jit(jnp.matmul)
+  if precision is not None:
+    f = jax.jit(lambda x, y: gat.matmul(x, y, precision),
+                compiler_options=inference.precision_options(precision))
   times, _ = time_calls(lambda: f(a, b), min_calls=3, max_calls=100, seconds=min_seconds)
   median = float(np.median(times))
-  return {'n': n, 'dtype': dtype, 'seconds': median, 'gflops_per_s': 2 * n**3 / median / 1e9}
+  out = {'n': n, 'dtype': dtype, 'seconds': median, 'gflops_per_s': 2 * n**3 / median / 1e9}
+  return out if precision is None else {**out, 'precision': precision}
 
 
 # ----------------------------------------------------------------------------------------------

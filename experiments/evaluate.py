@@ -3,7 +3,7 @@
   python -m experiments.evaluate --data=DIR --split=test \
       --method=ikgat|iterative|iterative_noprior|swing|mean_pose [--checkpoint=DIR] [--prior=DIR] \
       [--iters=N] [--warm_start] [--noise_mm=S] [--max_frames=N] [--refine_iters=N] \
-      [--[no]refine_prior] [--mirror] \
+      [--[no]refine_prior] [--mirror] [--matmul_precision=float32|bfloat16] \
       [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B] \
       [--trackers=full|6|10|A,B,C] [--joint_dropout=P] [--orientations=A,B,C] [--end_sites] \
       --output_json=FILE
@@ -60,6 +60,9 @@ _REFINE_PRIOR = flags.DEFINE_boolean('refine_prior', True, 'Refinement: with the
                                      'anchored to IK-GAT only (REFINE_DEFAULTS).')
 _W_PRIOR = flags.DEFINE_float('w_prior', None, 'Refinement: weight of the prior term (default: '
                               'iterative_ik.PRIOR_REFINE_DEFAULTS).')
+_PRECISION = flags.DEFINE_enum('matmul_precision', 'float32', ['float32', 'bfloat16'],
+                               'ikgat only: the network\'s large products in float32, or with '
+                               'bfloat16 inputs and float32 sums (model.set_matmul_precision).')
 _MIRROR = flags.DEFINE_boolean('mirror', False, 'ikgat only: test-time mirror averaging (the '
                                'network also solves the mirror-image input; the geodesic '
                                'midpoint of both, before any refinement; twice the network).')
@@ -133,7 +136,7 @@ def main(argv):
                                   checkpoint=_CHECKPOINT.value, prior=_PRIOR.value,
                                   solver=solver_config(), warm_start=_WARM.value,
                                   chunk=_BATCH.value, refine=refine_config(),
-                                  mirror=_mirror())
+                                  mirror=_mirror(), matmul_precision=_PRECISION.value)
   result = evaluation.evaluate(method, ds, ds.rig, max_frames=_MAX_FRAMES.value,
                                noise_mm=_NOISE.value, seed=_SEED.value,
                                temporal_filter=temporal_filter(method.info),

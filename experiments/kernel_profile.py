@@ -32,6 +32,8 @@ _BATCH = flags.DEFINE_integer('batch', 32, 'Frames per call.', lower_bound=1)
 _ATTENTION = flags.DEFINE_enum('attention', 'auto', ['dense', 'auto', 'sparse'],
                                'How the graph attention is evaluated (gat.set_form).')
 _CALLS = flags.DEFINE_integer('calls', 50, 'Calls timed, and traced.', lower_bound=1)
+_PRECISION = flags.DEFINE_enum('matmul_precision', 'float32', ['float32', 'bfloat16'],
+                               'The network\'s large products (model.set_matmul_precision).')
 _LIVE = flags.DEFINE_bool('live', False, 'Profile `IKSolver.step`\'s own executable instead (one '
                           'frame; the model and the subject compiled in): --batch is ignored.')
 _TOP = flags.DEFINE_integer('top', 20, 'Kernel groups and single kernels printed.',
@@ -82,6 +84,7 @@ def main(argv):
     raise RuntimeError('JAX started its backend before the trace flag was set')
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from ik_gat_jax import bone_frames, gat, inference  # pylint: disable=import-outside-toplevel
+  from ik_gat_jax import model as model_lib  # pylint: disable=import-outside-toplevel
   if jax.default_backend() != 'cpu':
     raise ValueError(f'XLA\'s per-kernel trace events are the CPU backend\'s; this backend is '
                      f'{jax.default_backend()}')
@@ -89,16 +92,19 @@ def main(argv):
   batch = 1 if _LIVE.value else _BATCH.value
   rng = np.random.default_rng(0)
   if _LIVE.value:
-    solver = IKSolver.from_checkpoint(_CKPT.value, attention=_ATTENTION.value)
+    solver = IKSolver.from_checkpoint(_CKPT.value, attention=_ATTENTION.value,
+                                      matmul_precision=_PRECISION.value)
     forward = solver._default_step()  # pylint: disable=protected-access
     rig = solver.rig
   else:
     model, _ = inference.load_model(_CKPT.value or inference.SHIPPED_IKGAT)
     rig = model.rig
     gat.set_form(model, _ATTENTION.value)
+    model_lib.set_matmul_precision(model, _PRECISION.value)
     B = bone_frames.bone_frames(jnp.asarray(rig.template(), jnp.float32), rig)[None]
     forward = jax.jit(lambda p: inference.ikgat_infer(model, {'positions': p,
-                                                              'bone_frames': B}))
+                                                              'bone_frames': B}),
+                      compiler_options=inference.compiler_options(model))
   p = jnp.asarray(rig.template().cumsum(0)[None] + 0.05 * rng.normal(
       size=(batch, rig.num_joints, 3)), jnp.float32)
   n = _CALLS.value
@@ -124,7 +130,8 @@ def main(argv):
   total = sum(us for us, _ in times.values())
   what = 'step\'s executable, one frame' if _LIVE.value else f'batch {batch}'
   print(f'IK-GAT {_CKPT.value or inference.SHIPPED_IKGAT}, {what}, attention '
-        f'{_ATTENTION.value}, blocks of {inference.micro_batch_size()}: untraced '
+        f'{_ATTENTION.value}, {_PRECISION.value} products, blocks of '
+        f'{inference.micro_batch_size()}: untraced '
         f'{np.median(rounds):.3f} ms per call (median of 7 rounds of {n}); traced kernels '
         f'{total / 1e3:.3f} ms per call, {len(times)} kernels')
   g = groups(times)

@@ -48,6 +48,8 @@ _CKPT = flags.DEFINE_string('checkpoint', None, 'IK-GAT run or checkpoint (defau
 _DATA = flags.DEFINE_string('data', None, 'Shards whose val frames are fed (default: the rest '
                             'pose with noise).')
 _CALLS = flags.DEFINE_integer('calls', 3000, 'Timed calls per part.')
+_PRECISION = flags.DEFINE_enum('matmul_precision', 'float32', ['float32', 'bfloat16'],
+                               'The network\'s large products (IKSolver.from_checkpoint).')
 _JSON = flags.DEFINE_string('json', None, 'Write the result here too.')
 
 
@@ -133,7 +135,8 @@ def breakdown(solver: IKSolver, frames: np.ndarray, calls: int) -> dict:
 @fail_on_user_error
 def main(argv):
   del argv
-  solver = IKSolver.from_checkpoint(_CKPT.value or inference.SHIPPED_IKGAT)
+  solver = IKSolver.from_checkpoint(_CKPT.value or inference.SHIPPED_IKGAT,
+                                    matmul_precision=_PRECISION.value)
   if _DATA.value:
     frames = np.asarray(data.load_shards(_DATA.value, 'val').positions[:1000], np.float64)
   else:
@@ -141,11 +144,13 @@ def main(argv):
     rest = rest_positions_np(solver.offsets, solver.rig.parents)
     frames = rest[None] + 0.01 * rng.normal(size=(1000,) + rest.shape)
   result = breakdown(solver, frames, _CALLS.value)
-  result.update(checkpoint=solver.source, cpus=sorted(os.sched_getaffinity(0)),
+  result.update(checkpoint=solver.source, matmul_precision=solver.matmul_precision,
+                cpus=sorted(os.sched_getaffinity(0)),
                 xla_flags=os.environ.get('XLA_FLAGS', ''), backend=jax.default_backend(),
                 provenance=provenance.provenance())
   ms = result['ms']
-  print(f"IK-GAT {solver.source}: one live frame, {len(result['cpus'])} core(s), "
+  print(f"IK-GAT {solver.source}: one live frame, {solver.matmul_precision} products, "
+        f"{len(result['cpus'])} core(s), "
         f"XLA_FLAGS={result['xla_flags']!r}")
   for k in PARTS:
     print(f'  {k:16s} {ms[k]:7.3f} ms')

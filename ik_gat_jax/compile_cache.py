@@ -224,9 +224,11 @@ def _unstorable_file(key: str) -> Path | None:
   return None if _executables_dir is None else _executables_dir / f'{key}.unstorable'
 
 
-def compile_for_entry(key: str | None, lower: Callable[[], Any], args: tuple) -> Any:
-  """`lower().compile()` on an executable cache miss for `key` (None: the cache is off), and
-  the result stored under `key` (`store_executable` with `args`).
+def compile_for_entry(key: str | None, lower: Callable[[], Any], args: tuple,
+                      options: dict | None = None) -> Any:
+  """`lower().compile(compiler_options=options)` on an executable cache miss for `key` (None:
+  the cache is off), and the result stored under `key` (`store_executable` with `args`; the
+  options must be part of the key).
 
   An executable that JAX's own persistent cache served cannot be stored (`store_executable`),
   and JAX's cache keys a program by its HLO, not by this package's code: after an update of the
@@ -239,9 +241,10 @@ def compile_for_entry(key: str | None, lower: Callable[[], Any], args: tuple) ->
   compilation, which nothing would read."""
   marker = None if key is None else _unstorable_file(key)
   if marker is None or marker.exists():
-    return lower().compile()
+    return lower().compile(compiler_options=options)
   with _no_jax_cache_write():  # nor is it written there: no entry that a later miss would hit
-    exe = lower().compile(compiler_options={_FRESH_OPTION: 1_000_000 + int(key[:12], 16)})
+    exe = lower().compile(compiler_options={**(options or {}),
+                                            _FRESH_OPTION: 1_000_000 + int(key[:12], 16)})
   if not store_executable(key, exe, args):
     try:
       marker.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ positions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from ik_gat_jax import inference
 from ik_gat_jax import input_pipeline
 from ik_gat_jax import iterative_ik
 from ik_gat_jax import metrics
+from ik_gat_jax import model as model_lib
 from ik_gat_jax import padding
 from ik_gat_jax import prior_task
 from ik_gat_jax import provenance
@@ -267,7 +269,8 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
                  dtype: str = 'float32',
                  refine: iterative_ik.SolverConfig | None = None,
                  prior_dir: str | Path | None = None,
-                 loaded_prior: Prior | None = None, mirror: bool = False) -> Method:
+                 loaded_prior: Prior | None = None, mirror: bool = False,
+                 matmul_precision: str = 'float32') -> Method:
   """IK-GAT from a run or checkpoint directory (default: the shipped one).
 
   `refine` (amortized + refine) with `w_prior > 0` uses the pose prior (`loaded_prior`, or
@@ -280,10 +283,13 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
 
   `dtype` 'bfloat16' runs the network in bfloat16 (parameters and input positions cast; the
   rest pose's bone frames stay float32, so conversions to local rotations promote to float32).
+  `matmul_precision` 'bfloat16' runs only the network's large products with bfloat16 inputs and
+  float32 sums (`model.set_matmul_precision`), everything else as `dtype`.
   """
   path = Path(checkpoint) if checkpoint else inference.SHIPPED_IKGAT
   model, meta = inference.load_model(path, expected_rig=rig)
   model = cast_floating(model, dtype)
+  model_lib.set_matmul_precision(model, matmul_precision)
   B_of = _bone_frames_fn(rig)
 
   window = model.config.window
@@ -296,7 +302,7 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
                        'prior (--prior) or --norefine_prior')
   prior_fn = (prior.decode, prior.params) if prior is not None else None
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=inference.compiler_options(model))
   def solve(positions, offsets, orientations=None, orientation_mask=None, end_sites=None,
             end_site_mask=None):
     batch = {'bone_frames': B_of(offsets), 'offsets': offsets}
@@ -316,7 +322,8 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
                                  mirror=mirror).astype(jnp.float32)
 
   info = {'checkpoint': str(path), 'model': meta['config']['model'],
-          'trained_steps': meta.get('step'), 'dtype': dtype, 'input_window': window,
+          'trained_steps': meta.get('step'), 'dtype': dtype,
+          'matmul_precision': matmul_precision, 'input_window': window,
           'input_window_fps': model.config.window_fps,
           'temporal': temporal.from_checkpoint_meta(meta).to_dict(),  # the checkpoint's filter
           'sparse_inputs': {'joint_mask': model.config.joint_mask and refine is None,
@@ -403,15 +410,19 @@ def iterative_method(rig: Rig, config: iterative_ik.SolverConfig, prior_dir: str
 def make_method(name: str, rig: Rig, *, train_data=None, checkpoint=None, prior=None,
                 solver: iterative_ik.SolverConfig | None = None, warm_start: bool = False,
                 chunk: int | None = None, dtype: str = 'float32',
-                refine: iterative_ik.SolverConfig | None = None, mirror: bool = False) -> Method:
-  """The method `name` (one of `METHODS`) for `rig`; `dtype`, `mirror` (test-time mirror
+                refine: iterative_ik.SolverConfig | None = None, mirror: bool = False,
+                matmul_precision: str = 'float32') -> Method:
+  """The method `name` (one of `METHODS`) for `rig`; `dtype`, `matmul_precision` (`ikgat_method`),
+  `mirror` (test-time mirror
   averaging) and `refine` (amortized + refine: `refine_rotations` from IK-GAT's output) apply to
   IK-GAT only; `prior` (a directory; default
   the shipped prior) serves the iterative solver and a refinement with `w_prior > 0`."""
   kw = {'chunk': chunk} if chunk else {}
   if name == 'ikgat':
     return ikgat_method(checkpoint, rig, dtype=dtype, refine=refine, prior_dir=prior,
-                        mirror=mirror, **kw)
+                        mirror=mirror, matmul_precision=matmul_precision, **kw)
+  if matmul_precision != 'float32':
+    raise ValueError('a matmul precision applies to ikgat only')
   if name == 'swing':
     return swing_method(rig, **kw)
   if name == 'mean_pose':

@@ -26,6 +26,10 @@ is faster) and in training (the sparse gradient compiles 2.5x slower), sparse fo
 from there (the base model 1.09x dense's frames/s at 4 examples on one core, 1.4x at 1,024 on
 two; BENCHMARKS.md "Close to the machine"). The default is 'dense' (compile time, see
 `GraphAttention.form`); `set_form` switches a model's layers.
+
+`GraphAttention.matmul_precision` (static, like `form`; `model.set_matmul_precision`): 'float32',
+or 'bfloat16', the messages' product `h @ W` with bfloat16 inputs and float32 accumulation
+(`matmul`), everything else float32.
 """
 
 from __future__ import annotations
@@ -43,6 +47,19 @@ SCORINGS = ('gat', 'gatv2', 'dot')
 AGGREGATIONS = ('attention', 'mean')
 _NEG = -1e30  # masked logit; softmax is taken in float32, so exp() of it is exactly 0
 SPARSE_FROM = 4  # form 'auto': the sparse form from this many examples on (leading axes)
+MATMUL_PRECISIONS = ('float32', 'bfloat16')
+
+
+def matmul(x: jax.Array, kernel: jax.Array, precision: str = 'float32') -> jax.Array:
+  """`x @ kernel`; with `precision` 'bfloat16' both rounded to bfloat16 and the products summed
+  in float32 (JAX's 'bfloat16' matmul precision; the result float32). The network's large
+  products take it in `model.set_matmul_precision(model, 'bfloat16')`."""
+  if precision == 'float32':
+    return x @ kernel
+  if precision != 'bfloat16':
+    raise ValueError(f'matmul precision must be one of {MATMUL_PRECISIONS}, got {precision!r}')
+  return jnp.dot(x.astype(jnp.bfloat16), kernel.astype(jnp.bfloat16),
+                 preferred_element_type=jnp.promote_types(x.dtype, jnp.float32))
 
 
 class GraphAttention(nnx.Module):
@@ -71,6 +88,9 @@ class GraphAttention(nnx.Module):
     # (forward) to 2.5x (gradient) slower, far more on the full graph, which made the test
     # suite 30% slower; `set_form(model, 'auto')` opts in (faster batched inference).
     self.form = 'dense'
+    # The messages' product `h @ W` (static; `model.set_matmul_precision`): 'float32' or
+    # 'bfloat16' (bfloat16 inputs, float32 sums: `matmul`).
+    self.matmul_precision = 'float32'
     if aggregation == 'mean':
       return
     init = nnx.initializers.lecun_normal()
@@ -83,6 +103,11 @@ class GraphAttention(nnx.Module):
       self.query = nnx.Linear(in_features, out_features, use_bias=False, rngs=rngs)
       self.key = nnx.Linear(in_features, out_features, use_bias=False, rngs=rngs)
 
+  def messages(self, h: jax.Array) -> jax.Array:
+    """`W h + b`, `[..., J, H * C]`, the product in `matmul_precision`."""
+    precision = self.matmul_precision
+    return matmul(h, self.value.kernel[...], precision) + self.value.bias[...]
+
   def _heads(self, x: jax.Array) -> jax.Array:
     """`[B, J, H * C]` -> `[B, H, J, C]`."""
     return x.reshape(*x.shape[:-1], self.num_heads, self.head_dim).swapaxes(-2, -3)
@@ -93,7 +118,7 @@ class GraphAttention(nnx.Module):
     Each row of the attention sums to 1 over the neighbours of i and is exactly 0 elsewhere.
     """
     mask = np.asarray(self.adjacency, dtype=bool)
-    wh = self._heads(self.value(h))
+    wh = self._heads(self.messages(h))
     if self.aggregation == 'mean':
       return jnp.asarray(mask / mask.sum(-1, keepdims=True), wh.dtype), wh
     if self.scoring == 'gat':
@@ -123,7 +148,7 @@ class GraphAttention(nnx.Module):
     up to float32 round-off (tests/gat_test.py)."""
     H, C = self.num_heads, self.head_dim
     mask = np.asarray(self.adjacency, dtype=bool)
-    m = self.value(h)  # [..., J, H * C]: the messages, bias included
+    m = self.messages(h)  # [..., J, H * C]: the messages, bias included
     a = self.attn[...]  # [H, C, 2]
     block = np.eye(H, dtype=bool)[:, None, :, None]  # a[h, c, k] at column (h, k) only
     s = (m @ jnp.where(block, a[:, :, None, :], 0).reshape(H * C, 2 * H)).reshape(
@@ -151,7 +176,8 @@ class GraphAttention(nnx.Module):
     score_w = jnp.einsum('dhc,hck->dhk', kernel.reshape(-1, H, C), a).reshape(-1, 2 * H)
     score_b = jnp.einsum('hc,hck->hk', bias.reshape(H, C), a).reshape(2 * H)
     s = (h @ score_w + score_b).reshape(*h.shape[:-1], H, 2).astype(jnp.float32)
-    wh = (h @ kernel).reshape(*h.shape[:-1], H, C)  # messages without their bias
+    wh = matmul(h, kernel, self.matmul_precision).reshape(
+        *h.shape[:-1], H, C)  # messages without their bias
     senders = [[k for k, on in enumerate(row) if on] for row in self.adjacency]
     deg = max(len(x) for x in senders)
     idx = np.asarray([x + [x[0]] * (deg - len(x)) for x in senders])  # [J, deg]

@@ -104,7 +104,7 @@ from ik_gat_jax import kinematics
 from ik_gat_jax import rotations
 from ik_gat_jax import skeleton
 from ik_gat_jax import windows
-from ik_gat_jax.gat import AGGREGATIONS, SCORINGS, GraphAttention
+from ik_gat_jax.gat import AGGREGATIONS, MATMUL_PRECISIONS, SCORINGS, GraphAttention, matmul
 from ik_gat_jax.skeleton import Rig
 
 ARCHS = ('ikgat', 'mlp', 'transformer')
@@ -340,6 +340,7 @@ class GraphNet(nnx.Module):
     self.head_hidden = nnx.Linear(d, head_hidden, rngs=rngs)
     self.head_out = _sixd_output(head_hidden, 1, rngs)
     self.extra_out = _extra_output(head_hidden, extra_out, rngs)
+    self.matmul_precision = 'float32'  # the head's hidden product (static; set_matmul_precision)
 
   def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
     """-> `[B, J, 6]`, or `[B, J, 6 + extra_out]` (the 6D, then the extra logits)."""
@@ -347,7 +348,9 @@ class GraphNet(nnx.Module):
     h = h0
     for block in self.blocks:
       h = block(h, deterministic=deterministic)
-    f = elu(self.head_hidden(h + h0))  # global shortcut: + h0
+    head = self.head_hidden
+    f = elu(matmul(h + h0, head.kernel[...], self.matmul_precision)  # global shortcut: + h0
+            + head.bias[...])
     if self.extra_out is None:
       return self.head_out(f)
     return jnp.concatenate([self.head_out(f), self.extra_out(f)], axis=-1)
@@ -687,6 +690,42 @@ class IKModel(nnx.Module):
       world = np.asarray(world_frame_outputs(self.rig, self.config.output_space))
       R = jnp.where(world[:, None, None], jnp.swapaxes(C, -1, -2)[:, None] @ R, R)
     return R.reshape(*batch, J, 3, 3)
+
+
+def set_matmul_precision(model: nnx.Module, precision: str) -> None:
+  """Sets the precision of a graph network's large products (in place; static, before
+  jitting, like `gat.set_form`): the messages `h @ W` of every graph attention layer and the
+  head's hidden layer, about 97% of the base model's FLOPs. 'float32' (the default) or
+  'bfloat16': bfloat16 inputs, float32 sums (`gat.matmul`); everything else stays float32.
+  With 'bfloat16' those kernels are also stored in bfloat16 (the products round them anyway),
+  so a forward that takes the weights as arguments converts nothing per call; going back to
+  'float32' is refused then (load the model again). On a CPU with bfloat16 instructions and
+  their XLA options (`inference.compiler_options`) the base model's live frame takes 0.17 ms
+  instead of 0.25 for 0.001 deg more error on CMU val (BENCHMARKS.md, issue N session 31). A
+  model with no graph network (the MLP) refuses 'bfloat16' (ValueError)."""
+  if precision not in MATMUL_PRECISIONS:
+    raise ValueError(f'matmul precision must be one of {MATMUL_PRECISIONS}, got {precision!r}')
+  modules = [m for _, m in nnx.iter_graph(model) if isinstance(m, (GraphAttention, GraphNet))]
+  if not modules and precision != 'float32':
+    raise ValueError(f'matmul precision {precision!r} needs a graph network (arch ikgat or '
+                     'transformer); this model has none')
+  if precision == 'float32' and any(m.matmul_precision == 'bfloat16' for m in modules):
+    raise ValueError('this model\'s product kernels were rounded to bfloat16 '
+                     '(set_matmul_precision): load it again for float32')
+  for module in modules:
+    module.matmul_precision = precision
+  if precision == 'bfloat16':
+    for m in modules:
+      kernel = (m.value if isinstance(m, GraphAttention) else m.head_hidden).kernel
+      kernel.set_value(kernel[...].astype(jnp.bfloat16))
+
+
+def matmul_precision(model: nnx.Module) -> str:
+  """The precision `set_matmul_precision` set ('float32' if it was never set)."""
+  for _, module in nnx.iter_graph(model):
+    if isinstance(module, (GraphAttention, GraphNet)):
+      return module.matmul_precision
+  return 'float32'
 
 
 def create_model(config: ModelConfig, rig: Rig, rngs: nnx.Rngs) -> IKModel:

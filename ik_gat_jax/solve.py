@@ -110,7 +110,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                filter_beta: float | None = None, filter_d_cutoff: float | None = None,
                latency_frames: int = 0, log: Callable[[str], None] = _stderr,
                trackers: str = 'full', orientations: str | None = None,
-               end_sites: str | None = None) -> dict:
+               end_sites: str | None = None, matmul_precision: str = 'float32') -> dict:
   """Reads `input`, solves, writes `output` (+ `smpl_npz`, `plot`, `clip`); returns a summary.
 
   `rig` (a name or rig JSON) refuses a checkpoint for another rig. Offsets (the subject R is
@@ -130,6 +130,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   once (None: `solver.default_workers()`). `attention`: 'dense' or 'auto' (the graph
   attention's sparse form for chunks; the same outputs within float32 round-off, 1.2-1.3x the
   frames/s of a long clip on the CPU, a first compile 0.5 s slower; `IKSolver.from_checkpoint`).
+  `matmul_precision`: 'float32' or 'bfloat16' (the network's large products with bfloat16
+  inputs and float32 sums; `IKSolver.from_checkpoint`).
   `trackers` (a `trackers.tracker_mask` spec) and NaN input joints mark joints missing, and
   `orientations` (an .npy) gives world rotations, for checkpoints trained for them (issue G2).
   `end_sites`: an .npy `[T, E, 3]` of the rig leaves' end-site points (input units and axes,
@@ -155,7 +157,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
       checkpoint, expected_rig=rig, block_size=block_size or solver_lib.DEFAULT_BLOCK,
       refine_iters=refine_iters, offsets_from=offsets_from, joint_map=joint_map,
       refine_prior=None if refine_prior in (None, '', 'none') else refine_prior,
-      bvh_units=offsets_units, mirror=mirror, workers=workers, attention=attention)
+      bvh_units=offsets_units, mirror=mirror, workers=workers, attention=attention,
+      matmul_precision=matmul_precision)
   solver.temporal_filter = temporal.with_overrides(solver.temporal_filter, filter_kind,
                                                    filter_min_cutoff, filter_beta,
                                                    filter_d_cutoff)
@@ -184,6 +187,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   summary = {'frames': sol.num_frames, 'rig': rig.name, 'joints': rig.num_joints,
              'checkpoint': solver.source, 'output': str(output), 'fps': rate,
              'temporal_filter': solver.temporal_filter.describe(),
+             'matmul_precision': solver.matmul_precision,
              'fk_error_mm_mean': float(err.mean()), 'fk_error_mm_max': float(err.max()),
              'seconds': time.perf_counter() - t0}
   bvh_note = ''
@@ -328,6 +332,10 @@ def define_flags() -> None:
                     'evaluated: dense, or auto (its sparse form from 16 frames on: 1.2-1.3x the '
                     'frames/s of a long clip on the CPU, a first compile 0.5 s slower; the same '
                     'outputs within float32 round-off).')
+  flags.DEFINE_enum('matmul_precision', 'float32', ['float32', 'bfloat16'], 'The network\'s '
+                    'large products: float32, or bfloat16 (bfloat16 inputs, float32 sums: on a '
+                    'CPU with bfloat16 instructions 1.4x the speed of a live frame, 0.002 deg '
+                    'more error on CMU val; BENCHMARKS.md).')
   flags.DEFINE_integer('refine_iters', 0, 'Refine IK-GAT with this many anchored iterations '
                        'of the rotation solver, root translation fitted (amortized + refine; 50 '
                        'for noisy trackers: joints closer to the truth than the input, ~2x the '
@@ -374,7 +382,7 @@ def main(argv) -> None:
                  clip_frames=F.clip_frames, smpl_npz=F.smpl_npz, smpl_world=F.smpl_world,
                  bvh_units=F.bvh_units,
                  block_size=F.block_size, workers=F.workers, attention=F.attention,
-                 latency_frames=F.latency_frames,
+                 matmul_precision=F.matmul_precision, latency_frames=F.latency_frames,
                  refine_iters=F.refine_iters, refine_prior=F.refine_prior, mirror=F.mirror,
                  filter_kind=F['filter'].value,
                  filter_min_cutoff=F.filter_min_cutoff, filter_beta=F.filter_beta,

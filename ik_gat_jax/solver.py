@@ -105,6 +105,7 @@ from ik_gat_jax import gat
 from ik_gat_jax import inference
 from ik_gat_jax import iterative_ik
 from ik_gat_jax import kinematics
+from ik_gat_jax import model as model_lib
 from ik_gat_jax import padding
 from ik_gat_jax import prior_task
 from ik_gat_jax import temporal
@@ -624,6 +625,10 @@ class IKSolver:
     self.workers = default_workers() if workers is None else int(workers)
     self.offsets = offsets if offsets is not None else self._template_offsets()
     graphdef, state = nnx.split(model)
+    # The network's large products (`model.set_matmul_precision`, static: in the graphdef)
+    # and the XLA options every executable compiles with (`_compile`).
+    self.matmul_precision = model_lib.matmul_precision(model)
+    self._options = inference.compiler_options(model)
     # The refinement's pose prior (issue J): a `vposer.PosePrior` for this rig, or None.
     self._prior, prior_state = (vposer.decoder(refine_prior)
                                 if refine_iters > 0 and refine_prior is not None else (None, None))
@@ -716,7 +721,8 @@ class IKSolver:
                       temporal_filter: temporal.FilterConfig | None = None,
                       fps: float = 30.0, attention: str = 'dense',
                       refine_prior: str | os.PathLike | None = 'shipped',
-                      mirror: bool = False, workers: int | None = None) -> 'IKSolver':
+                      mirror: bool = False, workers: int | None = None,
+                      matmul_precision: str = 'float32') -> 'IKSolver':
     """Loads a run directory or checkpoint (None: `inference.SHIPPED_IKGAT`).
 
     `offsets [J, 3]` (metres) or `offsets_from` (a BVH: its rest offsets reduced to the rig,
@@ -740,6 +746,10 @@ class IKSolver:
     that solves many clips gains and a one-clip run does not (BENCHMARKS.md "Blocks").
     `workers`: threads that solve a clip's chunks at once (None: `default_workers()`, the
     usable CPU cores up to MAX_WORKERS, 1 on accelerators; the outputs do not depend on it).
+    `matmul_precision`: 'float32', or 'bfloat16' for the network's large products (bfloat16
+    inputs, float32 sums; `model.set_matmul_precision`): on a CPU with bfloat16 instructions a
+    live frame 1.4x and a clip 1.5x as fast, 0.002 deg more error on CMU val (BENCHMARKS.md,
+    issue N session 31).
     """
     if offsets is not None and offsets_from is not None:  # before the (slow) model load
       raise InputError('give offsets or offsets_from, not both')
@@ -754,6 +764,10 @@ class IKSolver:
     path = inference.resolve_checkpoint(path)  # a shipped name -> its directory (the source)
     model, meta = inference.load_model(path, expected_rig=expected_rig)
     gat.set_form(model, attention)  # static: before the forward is built
+    try:
+      model_lib.set_matmul_precision(model, matmul_precision)
+    except ValueError as e:
+      raise InputError(str(e)) from None
     if offsets_from is not None:
       offsets = exports.read_bvh_offsets(offsets_from, model.rig, joint_map=joint_map,
                                          units=bvh_units)
@@ -952,6 +966,7 @@ class IKSolver:
                              f'{[(x.shape, x.dtype.name) for x in self._leaves]}\n'
                              f'refine={self.refine!r}\nprior={self._prior!r}\n'
                              f'mirror={self.mirror}\n'
+                             f'matmul_precision={self.matmul_precision}\n'
                              f'micro_batch={inference.micro_batch_size()}'
                              f' of {inference.MICRO_BATCH_CPU}')
       avals = [(np.shape(a), str(a.dtype)) for a in jax.tree.leaves(args)]
@@ -959,9 +974,13 @@ class IKSolver:
           f'{self._description}\n{signature}\n{jax.tree.structure(args)}\n{avals}')
       exe = compile_cache.load_executable(key)
     if exe is None:
-      exe = compile_cache.compile_for_entry(key, lower, args)
+      exe = compile_cache.compile_for_entry(key, lower, args, self._options)
     self._executables[signature] = exe
     return exe
+
+  def _compile(self, lowered):
+    """`lowered.compile()` with the solver's XLA options (`inference.compiler_options`)."""
+    return lowered.compile(compiler_options=self._options)
 
   def solve(self, positions, *, offsets=None, estimate_lengths: bool = False,
             units: str | float | None = None, input_axes: str | np.ndarray | None = None,
@@ -1145,7 +1164,7 @@ class IKSolver:
                                             for k, v in sorted(sparse.items()))
     exe = self._stream_execs.get(key)
     if exe is None:
-      exe = self._stream_execs[key] = self._stream_step.lower(*args).compile()
+      exe = self._stream_execs[key] = self._compile(self._stream_step.lower(*args))
     self._filter_state, out = exe(*args)
     return np.asarray(out)
 
@@ -1157,7 +1176,8 @@ class IKSolver:
     fstate = self._filter_state or temporal.init_state(self.rig.num_joints)
     if exe is None:
       (leaves, off, B), stream_step = self._compiled_in(), self._stream_step
-      exe = jax.jit(lambda fs, p: stream_step(leaves, fs, p, off, B)).lower(fstate, x).compile()
+      exe = self._compile(jax.jit(lambda fs, p: stream_step(leaves, fs, p, off, B)).lower(
+          fstate, x))
       self._stream_execs['own subject'] = exe
     self._filter_state, out = exe(fstate, x)
     return np.asarray(out)

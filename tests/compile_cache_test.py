@@ -308,6 +308,16 @@ def test_executable_cache_skips_tracing_and_gives_the_same_bits(tmp_path, monkey
   assert tuned.trace_count == before + 1
   assert np.abs(step - second.step(clip[0])).max() > 1e-4
   np.testing.assert_allclose(step, tuned.solve(clip[:1])[0], atol=2e-5)
+  # bfloat16 products: an entry of their own (compiled with their XLA options: YNNPACK dots on
+  # the CPU), stored and loaded like any other.
+  count = len(list(folder.iterdir()))
+  b16 = solver_lib.IKSolver.from_checkpoint(matmul_precision='bfloat16')
+  got16 = b16.solve(clip, full=True).local_rot
+  assert b16.trace_count == 1 and len(list(folder.iterdir())) == count + 1
+  assert 0 < np.abs(got16 - want.local_rot).max() < 5e-2
+  again = solver_lib.IKSolver.from_checkpoint(matmul_precision='bfloat16')
+  np.testing.assert_array_equal(again.solve(clip, full=True).local_rot, got16)
+  assert again.trace_count == 0
   # Names: the description and the environment count, object addresses do not.
   key = compile_cache.executable_key('f <function g at 0x7f00aa>')
   assert compile_cache.executable_key('f <function g at 0x7f11bb>') == key

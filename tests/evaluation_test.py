@@ -151,6 +151,15 @@ def test_ikgat_bfloat16_close_to_float32(cmu_shards, tiny_ikgat_run):
                     cmu_shards, max_frames=32) for d in ('float32', 'bfloat16'))
   assert bf16['settings']['dtype'] == 'bfloat16'
   assert abs(bf16['local_rot_err_deg'] - f32['local_rot_err_deg']) < 1.0
+  # Only the large products in bfloat16 (`matmul_precision`): recorded, much closer; refused
+  # for the other methods.
+  mixed = _run(evaluation.make_method('ikgat', ds.rig, checkpoint=tiny_ikgat_run,
+                                      matmul_precision='bfloat16'), cmu_shards, max_frames=32)
+  assert mixed['settings']['matmul_precision'] == 'bfloat16'
+  assert mixed['settings']['dtype'] == 'float32'
+  assert abs(mixed['local_rot_err_deg'] - f32['local_rot_err_deg']) < 0.05
+  with pytest.raises(ValueError, match='applies to ikgat only'):
+    evaluation.make_method('swing', ds.rig, matmul_precision='bfloat16')
 
 
 def test_refine_never_increases_its_loss_and_lowers_mpjpe(cmu_shards, tiny_ikgat_run):

@@ -149,3 +149,54 @@ def test_set_form_switches_every_layer_and_refuses_an_unknown_form():
   assert {m.form for m in layers} == {'auto'}
   with pytest.raises(ValueError, match="form must be 'dense', 'sparse' or 'auto', got 'fast'"):
     gat.set_form(net, 'fast')
+
+
+def test_bfloat16_products_sum_the_rounded_inputs_in_float32():
+  """`gat.matmul(..., 'bfloat16')` is the float32 product of both inputs rounded to bfloat16
+  (float32 sums: within float32 summation round-off of it), not the float32 product; 'float32'
+  is the plain product; another precision is refused."""
+  x = jax.random.normal(jax.random.key(1), (21, 320))
+  k = jax.random.normal(jax.random.key(2), (320, 64))
+  r = lambda a: np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+  got = np.asarray(gat.matmul(x, k, 'bfloat16'))
+  assert got.dtype == np.float32
+  # 320 terms of size ~1: float32 sums err by ~sqrt(320) * 6e-8 * 18 ~ 2e-5; bfloat16 rounding
+  # (2^-9 relative per input) moves the product by ~sqrt(320) * 4e-3 ~ 0.07.
+  np.testing.assert_allclose(got, r(x) @ r(k), atol=1e-4, rtol=0)
+  assert np.abs(got - np.asarray(x @ k)).max() > 1e-2
+  np.testing.assert_array_equal(gat.matmul(x, k, 'float32'), x @ k)
+  with pytest.raises(ValueError, match='matmul precision must be one of'):
+    gat.matmul(x, k, 'float16')
+
+
+def test_set_matmul_precision_sets_every_product_and_stays_close_to_float32():
+  """`model.set_matmul_precision` reaches every graph attention layer and the head, stores
+  their kernels in bfloat16 (the same outputs: the products round them anyway), keeps the
+  network within bfloat16 round-off of float32 in every form, and refuses going back, an
+  unknown precision and a network without graph layers."""
+  cfg = model.ModelConfig(size='tiny')
+  net = model.create_model(cfg, RIG, nnx.Rngs(0))
+  x = jnp.asarray(RIG.template().cumsum(0)[None] + 0.05 * np.random.default_rng(0).normal(
+      size=(5, J, 3)), jnp.float32)
+  want = np.asarray(net(x, deterministic=True))
+  assert model.matmul_precision(net) == 'float32'
+  model.set_matmul_precision(net, 'bfloat16')
+  mods = [m for _, m in nnx.iter_graph(net) if isinstance(m, (gat.GraphAttention, model.GraphNet))]
+  assert len(mods) == cfg.dims[1] + 1 and {m.matmul_precision for m in mods} == {'bfloat16'}
+  assert model.matmul_precision(net) == 'bfloat16'
+  assert {m.value.kernel[...].dtype for m in mods if isinstance(m, gat.GraphAttention)} == {
+      jnp.dtype(jnp.bfloat16)}
+  for form in ('dense', 'sparse'):
+    gat.set_form(net, form)
+    got = np.asarray(net(x, deterministic=True))
+    # Rotation entries: bfloat16 inputs move each product by ~2^-9 relative (measured here:
+    # 5e-5 at most in an entry, untrained); a wrong product (rows, layout) moves them by ~1.
+    assert 1e-6 < np.abs(got - want).max() < 5e-3, form
+  with pytest.raises(ValueError, match='load it again for float32'):
+    model.set_matmul_precision(net, 'float32')
+  with pytest.raises(ValueError, match='matmul precision must be one of'):
+    model.set_matmul_precision(net, 'fp8')
+  mlp = model.create_model(model.ModelConfig(arch='mlp', size='tiny'), RIG, nnx.Rngs(0))
+  model.set_matmul_precision(mlp, 'float32')  # nothing to set: allowed
+  with pytest.raises(ValueError, match='needs a graph network'):
+    model.set_matmul_precision(mlp, 'bfloat16')

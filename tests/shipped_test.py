@@ -167,6 +167,36 @@ def test_mirror_averaging_on_real_frames(cmu_shards):
   np.testing.assert_allclose(streamed, clip, atol=2e-5)
 
 
+def test_bfloat16_products_on_real_frames(cmu_shards):
+  """The shipped base with bfloat16 products (`matmul_precision='bfloat16'`: bfloat16 inputs,
+  float32 sums, XLA's YNNPACK dots on the CPU) on 83 real frames (07_02), clean and with 20 mm
+  noise: the same error as float32 (measured within 0.002 deg here, 0.001 deg on all of CMU
+  val), each rotation near float32's (measured: mean 0.04-0.05 deg, at most 0.33), and a
+  stream (`step`, its own executable) gives the clip path's rotations. Bounds: the error within
+  0.05 deg, the rotations within a mean of 0.15 and a maximum of 2 deg (a product on wrong rows
+  or a miscompiled library dot moves them by tens of degrees), stream vs clip within 2e-5 per
+  entry as in float32 (test_mirror_averaging_on_real_frames)."""
+  from ik_gat_jax import IKSolver, rotations
+  ds = data.load_shards(cmu_shards, 'val')
+  clean, true = np.asarray(ds.positions, np.float32), np.asarray(ds.local_rot)
+  noisy = clean + np.random.default_rng(0).normal(scale=0.02, size=clean.shape).astype(np.float32)
+  solvers = [IKSolver.from_checkpoint(offsets=np.asarray(ds.offsets[0]), matmul_precision=p)
+             for p in ('float32', 'bfloat16')]
+  assert [s.matmul_precision for s in solvers] == ['float32', 'bfloat16']
+  deg = lambda a, b: np.degrees(np.asarray(rotations.geodesic_angle(a, b)))
+  for x in (clean, noisy):
+    f32, b16 = (s.solve(x) for s in solvers)
+    assert abs(deg(b16, true).mean() - deg(f32, true).mean()) < 0.05
+    moved = deg(b16, f32)
+    assert 1e-4 < moved.mean() < 0.15 and moved.max() < 2.0, (moved.mean(), moved.max())
+  clip = solvers[1].solve(noisy[:5])
+  streamed = np.stack([solvers[1].step(f) for f in noisy[:5]])
+  np.testing.assert_allclose(streamed, clip, atol=2e-5)
+  other = np.asarray(ds.offsets[0]) * 1.05  # the general path (weights as arguments) alike
+  np.testing.assert_allclose(solvers[1].step(noisy[0], offsets=other),
+                             solvers[1].solve(noisy[:1], offsets=other)[0], atol=2e-5)
+
+
 def test_blocked_forward_is_the_whole_batch_forward(cmu_dir):
   """`ikgat_infer` in blocks (of 64 here, the CPU default 32; the last block padded) gives
   every frame the whole-batch forward's rotations, with the bone frames per frame or

@@ -86,6 +86,13 @@ def test_attention_auto_gives_the_dense_solution(ckpt, tmp_path_factory, tmp_pat
       out[form] = z['local_rot']
   assert out['dense'].shape == (70, 21, 3, 3)
   np.testing.assert_allclose(out['auto'], out['dense'], atol=1e-5, rtol=0)
+  # `--matmul_precision=bfloat16`: the products in bfloat16 (their rounding moves this
+  # untrained model's entries by ~1e-5-1e-4), recorded in the summary.
+  summary = solve.solve_file(path, tmp_path / 'b16.npz', checkpoint=ckpt, log=_quiet,
+                             matmul_precision='bfloat16')
+  assert summary['matmul_precision'] == 'bfloat16'
+  with np.load(tmp_path / 'b16.npz') as z:
+    assert 0 < np.abs(z['local_rot'] - out['dense']).max() < 1e-2
 
 
 def test_csv_input_with_units(ckpt, clip_npz, tmp_path):
@@ -164,6 +171,7 @@ def test_cli_help_and_errors(capsys, tmp_path):
   assert cli.main(['ik-gat', 'solve', '--help']) == 0
   out = capsys.readouterr().out
   assert '--input' in out and '--input_axes' in out and '--overwrite' in out
+  assert '--matmul_precision' in out
   missing = tmp_path / 'missing.npz'
   code = cli.main(['ik-gat', 'solve', f'--input={missing}', f'--output={tmp_path / "o.bvh"}',
                    f'--checkpoint={tmp_path}'])
