@@ -748,8 +748,8 @@ class IKSolver:
     usable CPU cores up to MAX_WORKERS, 1 on accelerators; the outputs do not depend on it).
     `matmul_precision`: 'float32', or 'bfloat16' for the network's large products (bfloat16
     inputs, float32 sums; `model.set_matmul_precision`): on a CPU with bfloat16 instructions a
-    live frame 1.4x and a clip 1.5x as fast, 0.002 deg more error on CMU val (BENCHMARKS.md,
-    issue N session 31).
+    live frame 1.4x and a clip 1.8x as fast, the error within 0.002 deg of float32's on CMU
+    val and test (BENCHMARKS.md, issue N session 31).
     """
     if offsets is not None and offsets_from is not None:  # before the (slow) model load
       raise InputError('give offsets or offsets_from, not both')
