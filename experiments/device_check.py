@@ -18,7 +18,10 @@ It measures, in this order, each section given a share of the time left (`SHARES
     memory (XLA's RESOURCE_EXHAUSTED, caught), `--max_batch` or the section's time is up;
     frames/s = batch / median call time (each call waited on with `block_until_ready`);
     XLA's FLOPs per frame. Then the same in bfloat16 (`evaluation.cast_floating`, positions
-    bfloat16, output float32, as the benchmark's bf16 rows);
+    bfloat16, output float32, as the benchmark's bf16 rows), and with bfloat16 products only
+    ('bfloat16_products': `model.set_matmul_precision`, the large products' inputs in
+    bfloat16 and their sums in float32, everything else float32; on the CPU with their XLA
+    options, `inference.compiler_options`);
  4. training: `train.make_train_step` (AdamW, augmentation, the IK-GAT loss; the recipe of
     experiments/configs/default.py at `--size`) on synthetic batches with the keys of
     `input_pipeline.gather_batch` (positions by FK of random local rotations of the template),
@@ -39,9 +42,9 @@ batch, short measurements) runs on a CPU in about a minute.
 The JSON: command, config, device {backend, devices, device_kind, memory_stats, versions,
 nvidia_smi}, provenance, compile_cache, model {size, rig, source, params, dims},
 torch_geometric {status, versions, device, model, results [...], stopped}, matmul {dtype: ...},
-inference {float32|bfloat16: {batches, results [{batch, frames_per_s, median_ms, p99_ms,
+inference {float32|bfloat16|bfloat16_products: {batches, results [{batch, frames_per_s, median_ms, p99_ms,
 calls, compile_s, flops_per_frame}], stopped, largest_batch, best_batch, best_frames_per_s}},
-bf16_speedup [{batch, speedup}], training {batches, results [{batch, steps_per_s,
+bf16_speedup [{batch, speedup}], bf16_products_speedup [{batch, speedup}], training {batches, results [{batch, steps_per_s,
 frames_per_s, median_ms, calls, compile_s, loss}], stopped, note}, ratios
 {jax_f32_over_torch_geometric [{batch, ratio}]}, seconds. `stopped` is 'max_batch', 'budget',
 'out_of_memory at batch N' or 'error at batch N: ...' (the first line of an XLA error).
@@ -79,8 +82,9 @@ from ik_gat_jax.io import atomic
 REPO = Path(__file__).resolve().parents[1]
 # Share of the time left that each section gets when it starts (renormalised over the sections
 # still to come, so an absent PyTorch gives its time to the others).
-SHARES = {'torch_geometric': 0.2, 'matmul': 0.03, 'inference_float32': 0.3,
-          'inference_bfloat16': 0.22, 'training': 0.25}
+SHARES = {'torch_geometric': 0.2, 'matmul': 0.03, 'inference_float32': 0.27,
+          'inference_bfloat16': 0.13, 'inference_bfloat16_products': 0.15, 'training': 0.22}
+INFERENCE_VARIANTS = ('float32', 'bfloat16', 'bfloat16_products')
 # The next batch's predicted cost / the last one's (compile + timed calls): inference doubles
 # the batch; a training step's cost is mostly its compilation, whatever the batch.
 GROWTH = {'inference': 2.2, 'training': 1.5}
@@ -387,14 +391,18 @@ def build_model(o: Options, rig):
   return model_lib.create_model(config, rig, nnx.Rngs(0)), 'random init'
 
 
-def inference_section(model, rig, dtype: str, o: Options, seconds: float) -> dict:
-
+def inference_section(model, rig, variant: str, o: Options, seconds: float) -> dict:
+  """The doubling sweep of one of `INFERENCE_VARIANTS`."""
+  dtype = 'float32' if variant == 'bfloat16_products' else variant
   net = evaluation.cast_floating(model, dtype)
+  if variant == 'bfloat16_products':
+    net = nnx.clone(net)  # the caller's model keeps its float32 kernels
+    model_lib.set_matmul_precision(net, 'bfloat16')
   B = bone_frames.bone_frames(jnp.asarray(rig.template(), jnp.float32), rig)[None]
   rest = skeleton.rest_positions_np(rig.template(), rig.parents)
   rest = jnp.asarray(rest - rest[:1], jnp.float32)
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=inference.compiler_options(net))
   def forward(p):
     return inference.ikgat_infer(net, {'positions': p.astype(dtype), 'bone_frames': B}
                                  ).astype(jnp.float32)
@@ -532,12 +540,14 @@ def run(o: Options, log: Callable[[str], None] = print) -> dict:
   result['matmul'] = matmul_section(o, backend)
   budget.section('matmul')
   result['inference'] = {}
-  for dtype in ('float32', 'bfloat16'):
-    s = inference_section(model, rig, dtype, o, budget.section(f'inference_{dtype}'))
-    result['inference'][dtype] = s
-    log(f'inference {dtype}: batches {s["batches"]}, stopped: {s["stopped"]}')
-  result['bf16_speedup'] = [{'batch': r['batch'], 'speedup': r['ratio']} for r in _ratios(
-      result['inference']['bfloat16'], result['inference']['float32'])]
+  for variant in INFERENCE_VARIANTS:
+    s = inference_section(model, rig, variant, o, budget.section(f'inference_{variant}'))
+    result['inference'][variant] = s
+    log(f'inference {variant}: batches {s["batches"]}, stopped: {s["stopped"]}')
+  for key, variant in (('bf16_speedup', 'bfloat16'),
+                       ('bf16_products_speedup', 'bfloat16_products')):
+    result[key] = [{'batch': r['batch'], 'speedup': r['ratio']} for r in _ratios(
+        result['inference'][variant], result['inference']['float32'])]
   result['training'] = training_section(rig, o, budget.section('training'))
   log(f'training: batches {result["training"]["batches"]}, stopped: '
       f'{result["training"]["stopped"]}')
@@ -569,13 +579,16 @@ def table(r: dict) -> str:
           f' on {r["device"]["backend"]} {r["device"]["device_kind"]}']
   f32 = {x['batch']: x for x in r['inference']['float32']['results']}
   bf16 = {x['batch']: x for x in r['inference']['bfloat16']['results']}
+  prod = {x['batch']: x for x in r['inference']['bfloat16_products']['results']}
   tg = {x['batch']: x for x in r['torch_geometric'].get('results', [])}
-  rows.append(f'{"batch":>8} {"f32 frames/s":>14} {"bf16 frames/s":>14} {"torch_geometric":>16}')
-  for b in sorted(set(f32) | set(bf16) | set(tg)):
+  rows.append(f'{"batch":>8} {"f32 frames/s":>14} {"bf16 frames/s":>14} '
+              f'{"bf16 products":>14} {"torch_geometric":>16}')
+  for b in sorted(set(f32) | set(bf16) | set(prod) | set(tg)):
     cell = lambda d: f'{d[b]["frames_per_s"]:,.0f}' if b in d else '-'
-    rows.append(f'{b:>8} {cell(f32):>14} {cell(bf16):>14} {cell(tg):>16}')
+    rows.append(f'{b:>8} {cell(f32):>14} {cell(bf16):>14} {cell(prod):>14} {cell(tg):>16}')
   rows.append(f'stopped: f32 {r["inference"]["float32"]["stopped"]}, bf16 '
-              f'{r["inference"]["bfloat16"]["stopped"]}; torch_geometric '
+              f'{r["inference"]["bfloat16"]["stopped"]}, bf16 products '
+              f'{r["inference"]["bfloat16_products"]["stopped"]}; torch_geometric '
               f'{r["torch_geometric"].get("stopped", r["torch_geometric"]["status"])}')
   for t in r['training']['results']:
     rows.append(f'train batch {t["batch"]:>6}: {t["steps_per_s"]:,.1f} steps/s, '
