@@ -45,7 +45,9 @@ with the model's state and the subject compiled in as constants, so its call pas
 alone (the base model's 23 weight arrays and the subject as arguments were 0.05 ms of a live
 frame). After the command line's `compile_cache.enable()`, a shape compiled by an earlier run
 is loaded whole from the executable cache (compile_cache.py; `step`'s entry is keyed by what it
-compiles in), neither traced nor lowered.
+compiles in), neither traced nor lowered. With bfloat16 products (`matmul_precision`,
+`model.set_matmul_precision`) every executable compiles with their XLA options
+(`inference.compiler_options`: XLA's YNNPACK dots on the CPU).
 
 Input checks (`check_positions`, `check_plausibility`): wrong shape or joint count and NaN/inf
 raise `InputError` (a ValueError) naming the expected joints or the frame and joint; bone
