@@ -42,10 +42,11 @@ batch, short measurements) runs on a CPU in about a minute.
 The JSON: command, config, device {backend, devices, device_kind, memory_stats, versions,
 nvidia_smi}, provenance, compile_cache, model {size, rig, source, params, dims},
 torch_geometric {status, versions, device, model, results [...], stopped}, matmul {dtype: ...},
-inference {float32|bfloat16|bfloat16_products: {batches, results [{batch, frames_per_s, median_ms, p99_ms,
-calls, compile_s, flops_per_frame}], stopped, largest_batch, best_batch, best_frames_per_s}},
-bf16_speedup [{batch, speedup}], bf16_products_speedup [{batch, speedup}], training {batches, results [{batch, steps_per_s,
-frames_per_s, median_ms, calls, compile_s, loss}], stopped, note}, ratios
+inference {float32|bfloat16|bfloat16_products: {batches, results [{batch, frames_per_s,
+median_ms, p99_ms, calls, compile_s, flops_per_frame}], stopped, largest_batch, best_batch,
+best_frames_per_s}}, bf16_speedup [{batch, speedup}], bf16_products_speedup [{batch, speedup}],
+training {batches, results [{batch, steps_per_s, frames_per_s, median_ms, calls, compile_s,
+loss}], stopped, note}, ratios
 {jax_f32_over_torch_geometric [{batch, ratio}]}, seconds. `stopped` is 'max_batch', 'budget',
 'out_of_memory at batch N' or 'error at batch N: ...' (the first line of an XLA error).
 """
