@@ -105,8 +105,7 @@ class GraphAttention(nnx.Module):
 
   def messages(self, h: jax.Array) -> jax.Array:
     """`W h + b`, `[..., J, H * C]`, the product in `matmul_precision`."""
-    precision = self.matmul_precision
-    return matmul(h, self.value.kernel[...], precision) + self.value.bias[...]
+    return matmul(h, self.value.kernel[...], self.matmul_precision) + self.value.bias[...]
 
   def _heads(self, x: jax.Array) -> jax.Array:
     """`[B, J, H * C]` -> `[B, H, J, C]`."""

@@ -329,7 +329,7 @@ def define_flags() -> None:
   flags.DEFINE_integer('workers', None, 'Threads that solve chunks at once (default: the usable '
                        'CPU cores, up to 4; 1 on a GPU/TPU). The outputs do not depend on it.')
   flags.DEFINE_enum('attention', 'dense', ['dense', 'auto'], 'How the graph attention is '
-                    'evaluated: dense, or auto (its sparse form from 16 frames on: 1.2-1.3x the '
+                    'evaluated: dense, or auto (its sparse form from 4 frames on: 1.2-1.3x the '
                     'frames/s of a long clip on the CPU, a first compile 0.5 s slower; the same '
                     'outputs within float32 round-off).')
   flags.DEFINE_enum('matmul_precision', 'float32', ['float32', 'bfloat16'], 'The network\'s '

@@ -630,7 +630,7 @@ class IKSolver:
     # The network's large products (`model.set_matmul_precision`, static: in the graphdef)
     # and the XLA options every executable compiles with (`_compile`).
     self.matmul_precision = model_lib.matmul_precision(model)
-    self._options = inference.compiler_options(model)
+    self._options = inference.precision_options(self.matmul_precision)
     # The refinement's pose prior (issue J): a `vposer.PosePrior` for this rig, or None.
     self._prior, prior_state = (vposer.decoder(refine_prior)
                                 if refine_iters > 0 and refine_prior is not None else (None, None))
@@ -743,9 +743,10 @@ class IKSolver:
     (BENCHMARKS.md "Mirror averaging"); the rig must be mirror-symmetric in its reference pose.
     `temporal_filter` (None: the checkpoint's `temporal` config, else none) at frame rate `fps`
     (module docstring). `attention`: how the graph attention is evaluated (`gat.set_form`, the
-    same function): 'dense', or 'auto', the sparse form from 16 frames on: 1.3x the clip
-    path's frames/s once compiled, for a compile 1.3x as long and more tracing, so a program
-    that solves many clips gains and a one-clip run does not (BENCHMARKS.md "Blocks").
+    same function): 'dense', or 'auto', the sparse form from `gat.SPARSE_FROM` (4) frames on:
+    1.3x the clip path's frames/s once compiled, for a compile 1.3x as long and more tracing,
+    so a program that solves many clips gains and a one-clip run does not (BENCHMARKS.md
+    "Blocks").
     `workers`: threads that solve a clip's chunks at once (None: `default_workers()`, the
     usable CPU cores up to MAX_WORKERS, 1 on accelerators; the outputs do not depend on it).
     `matmul_precision`: 'float32', or 'bfloat16' for the network's large products (bfloat16

@@ -73,7 +73,7 @@ def test_npz_to_bvh_and_npz(ckpt, clip_npz, tmp_path):
 @pytest.mark.filterwarnings('ignore:up axis looks wrong')  # an untrained model's poses
 def test_attention_auto_gives_the_dense_solution(ckpt, tmp_path_factory, tmp_path):
   """`attention='auto'` (`--attention=auto`) runs the chunks' graph attention in its sparse form
-  (70 frames: blocks of 16 frames or more) and writes the dense form's solution: the same
+  (70 frames: from gat.SPARSE_FROM frames on) and writes the dense form's solution: the same
   function, float32 round-off apart (1e-5 per rotation entry; attention weights 10% off move
   this untrained model's entries by ~1e-3)."""
   solver = get_solver(tmp_path_factory)
