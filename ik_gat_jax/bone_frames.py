@@ -128,4 +128,6 @@ def bone_chart(R: jax.Array, B: jax.Array, parents: tuple[int, ...],
     L = left @ Rj @ jnp.swapaxes(Bj, -1, -2)
   else:
     L = jnp.swapaxes(left, -1, -2) @ Rj @ Bj
-  return L if joints is None else R.at[..., idx, :, :].set(L)
+  # In R's dtype (a bfloat16 network's output with float32 bone frames: L is float32), the
+  # cast the scatter made implicitly, which newer JAX refuses.
+  return L if joints is None else R.at[..., idx, :, :].set(L.astype(R.dtype))

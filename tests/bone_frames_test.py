@@ -1,5 +1,7 @@
 """Bone frames: orthonormality, Q <-> R round trips, the observable swing column."""
 
+import warnings
+
 import jax.numpy as jnp
 import numpy as np
 from scipy.spatial.transform import Rotation as SciRot
@@ -77,6 +79,23 @@ def test_bone_chart_on_chosen_joints_is_the_per_joint_formula():
     np.testing.assert_allclose(np.asarray(L), want, atol=1e-5)
     back = bf.bone_chart(L, jnp.asarray(B[None], jnp.float32), rig.parents, joints, inverse=True)
     np.testing.assert_allclose(np.asarray(back), R, atol=1e-5)
+
+
+def test_bone_chart_of_bfloat16_rotations_with_float32_frames():
+  """A bfloat16 network's output (`evaluation.cast_floating`) with the subject's float32 bone
+  frames: the chosen joints' chart is computed in float32 and stored in R's dtype, each the
+  float32 chart rounded once, with no dtype warning (newer JAX refuses the implicit cast)."""
+  rig = skeleton.cmu_body()
+  R = _pose(rig, 3, seed=2).astype(jnp.bfloat16)
+  B = jnp.asarray(bf.bone_frames_np(rig.template(), rig)[None], jnp.float32)
+  joints = (0, 5, 16)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    L = bf.bone_chart(R, B, rig.parents, joints, inverse=True)
+  assert L.dtype == jnp.bfloat16
+  want = bf.bone_chart(R.astype(jnp.float32), B, rig.parents, joints, inverse=True)
+  np.testing.assert_array_equal(np.asarray(L, np.float32),
+                                np.asarray(want.astype(jnp.bfloat16), np.float32))
 
 
 def test_mixed_output_through_a_joint_whose_children_are_co_located():
