@@ -10,7 +10,7 @@ export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0.5
 export PYTHONUNBUFFERED = 1
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test clean device-wheels
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -34,6 +34,19 @@ demo: venv
 TEST_WORKERS ?= 2
 test: venv
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist=loadfile tests $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
+
+# The prepared GPU check on a machine whose Python already has JAX for CUDA, Flax, optax, orbax
+# and PyTorch, and no network (experiments/device_run.sh installs these there): the wheels of
+# this package's small pure-Python dependencies such an image may lack (setup.cfg's pins) into
+# .whl/ (ignored), and a Flax that imports with jax >= 0.11.1 into .whl/flax/ (flax <= 0.12.9
+# does not: nnx imports a name jax 0.11.2 renamed). Python 3.12 wheels, all pure Python.
+DEVICE_WHEELS := ml-collections==1.1.0 pygltflib==1.16.5 dataclasses-json==0.6.7 \
+	marshmallow==3.26.2 Deprecated==1.3.1 tensorboardX==2.6.5
+DEVICE_DOWNLOAD := $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	--implementation cp --platform manylinux2014_x86_64
+device-wheels:
+	$(DEVICE_DOWNLOAD) -d .whl $(DEVICE_WHEELS)
+	$(DEVICE_DOWNLOAD) -d .whl/flax flax==0.12.12
 
 clean:
 	rm -rf $(VENV) .jax_cache

@@ -47,8 +47,15 @@ median_ms, p99_ms, calls, compile_s, flops_per_frame}], stopped, largest_batch, 
 best_frames_per_s}}, bf16_speedup [{batch, speedup}], bf16_products_speedup [{batch, speedup}],
 training {batches, results [{batch, steps_per_s, frames_per_s, median_ms, calls, compile_s,
 loss}], stopped, note}, ratios
-{jax_f32_over_torch_geometric [{batch, ratio}]}, seconds. `stopped` is 'max_batch', 'budget',
-'out_of_memory at batch N' or 'error at batch N: ...' (the first line of an XLA error).
+{jax_f32_over_torch_geometric [{batch, ratio}]}, seconds, complete, errors. `stopped` is
+'max_batch', 'budget', 'out_of_memory at batch N' or 'error at batch N: ...' (the first line of
+an XLA error).
+
+Nothing measured is lost: the JSON is written once the device is described and again after
+each section (`complete` false until the end). A section that raises an error the script does
+not expect of a device (a bug, an API another JAX version lacks) is recorded as {error,
+traceback}, its name added to `errors`, and the sections after it still run; the command then
+exits with status 1.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from typing import Any, Callable
 
 from absl import app, flags
@@ -528,38 +536,63 @@ def run(o: Options, log: Callable[[str], None] = print) -> dict:
 
   backend = jax.default_backend()
   o = o.resolved(backend)
+  out = Path(o.output_json)
+  out.parent.mkdir(parents=True, exist_ok=True)
   result: dict[str, Any] = {
       'command': provenance.command_line(), 'config': dataclasses.asdict(o),
       'device': device_info(), 'provenance': provenance.provenance(),
-      'compile_cache': compile_cache.status()}
+      'compile_cache': compile_cache.status(), 'complete': False, 'errors': []}
   log(f'{result["device"]["backend"]}: {result["device"]["devices"]}')
+  result['torch_geometric'] = tg
+  save = lambda: atomic.write_json(out, _finite({**result, 'seconds': time.monotonic() - t0}))
+  save()  # the device's description, whatever happens next
   model, source = build_model(o, rig)
   params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
   result['model'] = {'size': o.size, 'rig': rig.name, 'source': source, 'params': params,
                      'dims': list(model.config.dims), 'output_space': model.config.output_space}
-  result['torch_geometric'] = tg
-  result['matmul'] = matmul_section(o, backend)
+
+  def section(holder: dict, key: str, name: str, fn: Callable[[], dict]) -> dict:
+    """`holder[key] = fn()`, then the JSON so far. An error this script does not expect of a
+    device (a runtime error stops a sweep instead) is recorded as {error, traceback} and
+    printed, and the sections after it still run; `run` then ends with exit status 1."""
+    try:
+      holder[key] = fn()
+    except Exception as e:  # noqa: BLE001 (one broken section must not lose the others)
+      tb = traceback.format_exc()
+      print(tb, file=sys.stderr)
+      holder[key] = {'error': f'{type(e).__name__}: {_first_line(e)}', 'traceback': tb}
+      result['errors'].append(name)
+    save()
+    return holder[key]
+
+  section(result, 'matmul', 'matmul', lambda: matmul_section(o, backend))
   budget.section('matmul')
   result['inference'] = {}
   for variant in INFERENCE_VARIANTS:
-    s = inference_section(model, rig, variant, o, budget.section(f'inference_{variant}'))
-    result['inference'][variant] = s
-    log(f'inference {variant}: batches {s["batches"]}, stopped: {s["stopped"]}')
+    seconds = budget.section(f'inference_{variant}')
+    s = section(result['inference'], variant, f'inference_{variant}',
+                lambda: inference_section(model, rig, variant, o, seconds))  # noqa: B023
+    log(f'inference {variant}: batches {s.get("batches")}, stopped: {_stopped(s)}')
   for key, variant in (('bf16_speedup', 'bfloat16'),
                        ('bf16_products_speedup', 'bfloat16_products')):
     result[key] = [{'batch': r['batch'], 'speedup': r['ratio']} for r in _ratios(
         result['inference'][variant], result['inference']['float32'])]
-  result['training'] = training_section(rig, o, budget.section('training'))
-  log(f'training: batches {result["training"]["batches"]}, stopped: '
-      f'{result["training"]["stopped"]}')
+  seconds = budget.section('training')
+  t = section(result, 'training', 'training', lambda: training_section(rig, o, seconds))
+  log(f'training: batches {t.get("batches")}, stopped: {_stopped(t)}')
   result['ratios'] = {'jax_f32_over_torch_geometric': _ratios(result['inference']['float32'], tg)}
+  result['complete'] = True
   result['seconds'] = time.monotonic() - t0
-  out = Path(o.output_json)
-  out.parent.mkdir(parents=True, exist_ok=True)
   atomic.write_json(out, _finite(result))
   log(table(result))
-  log(f'wrote {out} ({result["seconds"]:.0f} s)')
+  log(f'wrote {out} ({result["seconds"]:.0f} s)' + (
+      f'; sections that failed: {", ".join(result["errors"])}' if result['errors'] else ''))
   return result
+
+
+def _stopped(s: dict) -> str:
+  """Why a sweep ended, or its section's error."""
+  return s.get('stopped') or s.get('error') or s.get('status', '?')
 
 
 def _finite(x: Any) -> Any:
@@ -578,25 +611,25 @@ def table(r: dict) -> str:
   """A short text table of the frames/s (and steps/s) measured."""
   rows = [f'IK-GAT {r["model"]["size"]} ({r["model"]["params"]:,} params, {r["model"]["source"]})'
           f' on {r["device"]["backend"]} {r["device"]["device_kind"]}']
-  f32 = {x['batch']: x for x in r['inference']['float32']['results']}
-  bf16 = {x['batch']: x for x in r['inference']['bfloat16']['results']}
-  prod = {x['batch']: x for x in r['inference']['bfloat16_products']['results']}
-  tg = {x['batch']: x for x in r['torch_geometric'].get('results', [])}
+  inf = r['inference']
+  f32, bf16, prod, tg = ({x['batch']: x for x in s.get('results', [])} for s in (
+      inf['float32'], inf['bfloat16'], inf['bfloat16_products'], r['torch_geometric']))
   rows.append(f'{"batch":>8} {"f32 frames/s":>14} {"bf16 frames/s":>14} '
               f'{"bf16 products":>14} {"torch_geometric":>16}')
   for b in sorted(set(f32) | set(bf16) | set(prod) | set(tg)):
     cell = lambda d: f'{d[b]["frames_per_s"]:,.0f}' if b in d else '-'
     rows.append(f'{b:>8} {cell(f32):>14} {cell(bf16):>14} {cell(prod):>14} {cell(tg):>16}')
-  rows.append(f'stopped: f32 {r["inference"]["float32"]["stopped"]}, bf16 '
-              f'{r["inference"]["bfloat16"]["stopped"]}, bf16 products '
-              f'{r["inference"]["bfloat16_products"]["stopped"]}; torch_geometric '
-              f'{r["torch_geometric"].get("stopped", r["torch_geometric"]["status"])}')
-  for t in r['training']['results']:
+  rows.append(f'stopped: f32 {_stopped(inf["float32"])}, bf16 {_stopped(inf["bfloat16"])}, '
+              f'bf16 products {_stopped(inf["bfloat16_products"])}; torch_geometric '
+              f'{_stopped(r["torch_geometric"])}')
+  for t in r['training'].get('results', []):
     rows.append(f'train batch {t["batch"]:>6}: {t["steps_per_s"]:,.1f} steps/s, '
                 f'{t["frames_per_s"]:,.0f} frames/s')
   for dtype, m in r['matmul'].items():
-    if 'gflops_per_s' in m:
+    if isinstance(m, dict) and 'gflops_per_s' in m:
       rows.append(f'matmul {m["n"]} {dtype}: {m["gflops_per_s"]:,.0f} GFLOP/s')
+  if r.get('errors'):
+    rows.append(f'failed sections (tracebacks in the JSON): {", ".join(r["errors"])}')
   return '\n'.join(rows)
 
 
@@ -632,7 +665,8 @@ def main(argv) -> None:
               time_budget_s=F.time_budget_s, tiny=F.tiny,
               train_batches=tuple(int(b) for b in F.train_batches) if F.train_batches else None,
               measure_s=F.measure_s, torch=F.torch)
-  run(o)
+  if run(o)['errors']:
+    sys.exit(1)  # the JSON is written; the failed sections' tracebacks are in it and above
 
 
 if __name__ == '__main__':

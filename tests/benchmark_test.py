@@ -257,7 +257,9 @@ def test_flops_per_frame_are_counted_on_one_block():
   per = lambda n: iterative_ik.flops_per_frame(forward, jnp.ones((n, rig.num_joints, 3)))
   n, one = inference.flop_frames(), per(1)
   assert 1 <= n <= 64 and (inference.micro_batch_size() == 0 or n <= inference.micro_batch_size())
-  np.testing.assert_allclose(per(n), one, rtol=0.02)
+  # XLA's cost model reads a few percent apart for one frame and for n (jaxlib 0.10.2: 0.1%,
+  # 0.11.2: 2.7%, the tiny model); a loop body counted once would read half or less.
+  np.testing.assert_allclose(per(n), one, rtol=0.05)
   if inference.micro_batch_size():  # four blocks: the body counted once, a quarter per frame
     assert per(4 * inference.micro_batch_size()) < 0.5 * one
 

@@ -1,11 +1,13 @@
 """experiments/device_check.py: the prepared GPU check, run here on the CPU at tiny size.
 
-One subprocess run of the absl main with --tiny (the JSON's structure, positive rates, batch
-lists that double), plus the pieces that need no device: the sweep's stop rules and the
-torch_geometric graph.
+One subprocess run with --tiny through experiments/device_run.sh, the script a GPU machine
+runs (the JSON's structure, positive rates, batch lists that double, the log), plus the pieces
+that need no device: the sweep's stop rules, a failing section recorded while the others run,
+and the torch_geometric graph.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +23,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope='module')
 def result(tmp_path_factory):
-  out = tmp_path_factory.mktemp('device_check') / 'device_check.json'
-  cmd = [sys.executable, '-m', 'experiments.device_check', '--tiny', f'--output_json={out}']
-  done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert 'frames/s' in done.stdout  # the table
-  return json.loads(out.read_text())
+  out = tmp_path_factory.mktemp('device_check')
+  cmd = ['bash', 'experiments/device_run.sh', str(out), '--tiny']
+  done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                        env={**os.environ, 'PYTHON': sys.executable})
+  assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+  assert 'frames/s' in done.stdout and 'jax' in done.stdout.splitlines()[0]  # versions, table
+  assert 'frames/s' in (out / 'device_check.log').read_text()
+  return json.loads((out / 'device_check.json').read_text())
 
 
 def _doubles(batches):
@@ -39,6 +43,7 @@ def test_json_structure(result):
               'training', 'ratios',
               'seconds'):
     assert key in result, key
+  assert result['complete'] and result['errors'] == []
   dev = result['device']
   assert dev['backend'] == 'cpu' and dev['device_count'] >= 1 and dev['devices']
   assert dev['versions']['jax'] and dev['versions']['flax']
@@ -109,6 +114,45 @@ def test_sweep_stops_at_out_of_memory_budget_and_max_batch():
 
   with pytest.raises(KeyError):
     device_check.doubling_sweep(bug, 8, 60.0, device_check.jax_oom)
+
+
+def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+  """A section that raises what the sweep does not catch (a bug, an API another JAX lacks) is
+  recorded with its traceback, the JSON so far is on disk before the next section, the others
+  run, and the table still prints. Only the sections' measurements are replaced (the real ones
+  run in the fixture above); the model, the matmul and the JSON are real."""
+  out = tmp_path / 'check.json'
+  seen = []
+
+  def inference(model, rig, variant, o, seconds):
+    seen.append(variant)
+    if variant == 'bfloat16':
+      raise TypeError('an API this JAX lacks')
+    return device_check.sweep(lambda b: {'frames_per_s': 10.0 * b}, [1, 2], seconds,
+                              device_check.jax_oom)
+
+  def training(rig, o, seconds):
+    on_disk = json.loads(out.read_text())  # written after each section
+    assert not on_disk['complete'] and on_disk['errors'] == ['inference_bfloat16']
+    assert on_disk['inference']['float32']['batches'] == [1, 2]
+    raise KeyError('training broke')
+
+  monkeypatch.setattr(device_check, 'inference_section', inference)
+  monkeypatch.setattr(device_check, 'training_section', training)
+  r = device_check.run(device_check.Options(output_json=str(out), tiny=True, torch=False),
+                       log=lambda _: None)
+  assert seen == list(device_check.INFERENCE_VARIANTS)
+  assert r['errors'] == ['inference_bfloat16', 'training'] and r['complete']
+  assert r['inference']['bfloat16']['error'] == 'TypeError: an API this JAX lacks'
+  assert 'Traceback' in r['inference']['bfloat16']['traceback']
+  assert r['inference']['bfloat16_products']['batches'] == [1, 2]
+  assert r['bf16_speedup'] == [] and len(r['bf16_products_speedup']) == 2
+  assert r['training']['error'].startswith('KeyError')
+  assert json.loads(out.read_text())['errors'] == r['errors']
+  assert 'TypeError' in capsys.readouterr().err
+  text = device_check.table(r)
+  assert 'failed sections (tracebacks in the JSON): inference_bfloat16, training' in text
+  assert 'bf16 TypeError: an API this JAX lacks' in text and '      20' in text
 
 
 def test_budget_shares_renormalise():
