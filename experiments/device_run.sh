@@ -34,7 +34,8 @@ if ! "$py" -c 'from flax import nnx' 2>/dev/null && ((${#flax_wheels[@]})); then
   echo "flax.nnx does not import here: installing ${flax_wheels[*]}"
   install "${flax_wheels[@]}"
 fi
-"$py" -c 'import sys, jax, flax, numpy; print("python", sys.version.split()[0], "jax", jax.__version__,
-"flax", flax.__version__, "numpy", numpy.__version__)'
+"$py" -c 'import sys, jax, flax, numpy
+print("python", sys.version.split()[0], "jax", jax.__version__, "flax", flax.__version__,
+      "numpy", numpy.__version__)'
 PYTHONUNBUFFERED=1 "$py" -m experiments.device_check --output_json="$out/device_check.json" "$@" \
   2>&1 | tee "$out/device_check.log"
