@@ -2,6 +2,7 @@ r"""One prepared device check: IK-GAT speed on whatever JAX runs on, written to 
 
   python -m experiments.device_check --output_json=outputs/device_check.json
       [--size=base] [--rig=cmu_body] [--max_batch=N] [--time_budget_s=240] [--tiny]
+  python -m experiments.device_check --report=outputs/device_check.json   # its Markdown again
 
 Made for a GPU machine with JAX (and optionally PyTorch + torch_geometric) already installed and
 a copy of this repository: no data, no training run, under 5 minutes with the default budget.
@@ -36,12 +37,18 @@ a rerun on the same machine compiles less.
 
 Every measurement is bounded: at least 3 timed calls after the compiling one, more until
 `measure_s` has passed (at most 200); a batch is not tried when the last one's time, doubled,
-would pass the section's deadline. `--tiny` (the test's mode: tiny model, batches up to 4, one training
-batch, short measurements) runs on a CPU in about a minute.
+would pass the section's deadline. `--tiny` (the test's mode: tiny model, batches up to 4, one
+training batch, short measurements) runs on a CPU in about 20 s.
+
+'float32' means each framework's default for float32 products, recorded in the JSON: JAX lets
+XLA use TF32 tensor cores on NVIDIA Ampere and newer (`jax_default_matmul_precision` None),
+PyTorch computes them in true float32 unless told otherwise (`float32_matmul`). Read the
+JAX/PyTorch ratio with that in mind.
 
 The JSON: command, config, device {backend, devices, device_kind, memory_stats, versions,
-nvidia_smi}, provenance, compile_cache, model {size, rig, source, params, dims},
-torch_geometric {status, versions, device, model, results [...], stopped}, matmul {dtype: ...},
+jax_default_matmul_precision, nvidia_smi}, provenance, compile_cache, model {size, rig,
+source, params, dims}, torch_geometric {status, versions, float32_matmul, device, model,
+results [...], stopped}, matmul {dtype: ...},
 inference {float32|bfloat16|bfloat16_products: {batches, results [{batch, frames_per_s,
 median_ms, p99_ms, calls, compile_s, flops_per_frame}], stopped, largest_batch, best_batch,
 best_frames_per_s}}, bf16_speedup [{batch, speedup}], bf16_products_speedup [{batch, speedup}],
@@ -51,8 +58,10 @@ loss}], stopped, note}, ratios
 'max_batch', 'budget', 'out_of_memory at batch N' or 'error at batch N: ...' (the first line of
 an XLA error).
 
-Nothing measured is lost: the JSON is written once the device is described and again after
-each section (`complete` false until the end). A section that raises an error the script does
+At the end the same figures are written beside the JSON as Markdown tables for BENCHMARKS.md
+(`.md`; `--report=JSON` prints them for any JSON of this check, a partial one too). Nothing
+measured is lost: the JSON is written once the device is described and again after each
+section (`complete` false until the end). A section that raises an error the script does
 not expect of a device (a bug, an API another JAX version lacks) is recorded as {error,
 traceback}, its name added to `errors`, and the sections after it still run; the command then
 exits with status 1.
@@ -327,6 +336,9 @@ def torch_child(spec_path: str) -> None:
              device_name=torch.cuda.get_device_name(0) if dev.type == 'cuda' else 'cpu',
              versions={'torch': torch.__version__, 'torch_geometric': torch_geometric.__version__,
                        'cuda': torch.version.cuda},
+             # PyTorch's default: true float32 products ('highest'; TF32 only if asked for).
+             float32_matmul={'precision': torch.get_float32_matmul_precision(),
+                             'cuda_allow_tf32': bool(torch.backends.cuda.matmul.allow_tf32)},
              model={'dims': [d, L, H, hh],
                     'params': int(sum(p.numel() for p in net.parameters())),
                     'layer': 'torch_geometric.nn.GATConv', 'grad': False})
@@ -366,6 +378,9 @@ def device_info() -> dict:
   info = {'backend': jax.default_backend(), 'devices': [str(d) for d in devs],
           'device_count': len(devs), 'device_kind': devs[0].device_kind,
           'platform': devs[0].platform, 'versions': {},
+          # JAX's default (None) lets XLA pick: true float32 products on the CPU, TF32 tensor
+          # cores for float32 dots on NVIDIA Ampere and newer (the 'float32' sweep's meaning).
+          'jax_default_matmul_precision': jax.config.jax_default_matmul_precision,
           'environment': {k: os.environ[k] for k in (
               'JAX_PLATFORMS', 'XLA_PYTHON_CLIENT_MEM_FRACTION', 'XLA_PYTHON_CLIENT_PREALLOCATE',
               'XLA_FLAGS', 'CUDA_VISIBLE_DEVICES') if k in os.environ}}
@@ -584,8 +599,9 @@ def run(o: Options, log: Callable[[str], None] = print) -> dict:
   result['complete'] = True
   result['seconds'] = time.monotonic() - t0
   atomic.write_json(out, _finite(result))
+  atomic.write_text(out.with_suffix('.md'), markdown(_finite(result)))
   log(table(result))
-  log(f'wrote {out} ({result["seconds"]:.0f} s)' + (
+  log(f'wrote {out} and its .md ({result["seconds"]:.0f} s)' + (
       f'; sections that failed: {", ".join(result["errors"])}' if result['errors'] else ''))
   return result
 
@@ -633,6 +649,67 @@ def table(r: dict) -> str:
   return '\n'.join(rows)
 
 
+GOAL_FRAMES_PER_S = 1e6  # issue N item 6: batched inference on a GPU
+
+
+def markdown(r: dict) -> str:
+  """The JSON as Markdown tables for BENCHMARKS.md (written beside it as `.md`): inference
+  frames/s per batch and variant with the JAX/torch_geometric ratio, the best batch of each
+  against the 1M frames/s goal and as a share of the same run's matmul rate, training, the
+  matmul, and what each "float32" means."""
+  dev, inf, tg = r.get('device', {}), r.get('inference', {}), r.get('torch_geometric', {})
+  m = r.get('model', {})
+  num = lambda x, f=',.0f': '-' if x is None else format(x, f)
+  rows = [f'Device: {dev.get("device_kind")} ({dev.get("backend")}, {dev.get("device_count")} '
+          f'device(s)); {", ".join(f"{k} {v}" for k, v in dev.get("versions", {}).items())}.',
+          f'Model: IK-GAT {m.get("size")} ({num(m.get("params"))} parameters, '
+          f'{m.get("source")}). Command: `{r.get("command")}`.', '']
+  variants = ('float32', 'bfloat16', 'bfloat16_products')
+  by = {v: {x['batch']: x for x in inf.get(v, {}).get('results', [])} for v in variants}
+  by['tg'] = {x['batch']: x for x in tg.get('results', [])}
+  rows += ['| batch | float32 frames/s | float32 ms | bfloat16 frames/s | bfloat16 products '
+           'frames/s | torch_geometric frames/s | JAX float32 / torch_geometric |',
+           '|---:|---:|---:|---:|---:|---:|---:|']
+  for b in sorted(set().union(*by.values())):
+    cell = lambda v, k='frames_per_s': num(by[v][b][k]) if b in by[v] else '-'
+    ratio = (f'{by["float32"][b]["frames_per_s"] / by["tg"][b]["frames_per_s"]:.2f}x'
+             if b in by['float32'] and b in by['tg'] else '-')
+    ms = num(by['float32'].get(b, {}).get('median_ms'), '.3f')
+    rows.append(f'| {b:,} | {cell("float32")} | {ms} | {cell("bfloat16")} | '
+                f'{cell("bfloat16_products")} | {cell("tg")} | {ratio} |')
+  f32_rate = (r.get('matmul', {}).get('float32') or {}).get('gflops_per_s')
+  rows += ['', '| variant | best frames/s (batch) | of the 1M goal | FLOPs per frame | '
+           'share of the float32 matmul | stopped |', '|---|---:|---:|---:|---:|---|']
+  for v in variants:
+    s = inf.get(v, {})
+    best, flops = s.get('best_frames_per_s'), None
+    if s.get('results'):
+      flops = s['results'][0].get('flops_per_frame')
+    share = (f'{100 * best * flops / (f32_rate * 1e9):.0f}%'
+             if best and flops and f32_rate else '-')
+    rows.append(f'| {v} | {num(best)} ({num(s.get("best_batch"))}) | '
+                f'{"-" if not best else f"{100 * best / GOAL_FRAMES_PER_S:.0f}%"} | '
+                f'{num(flops and flops / 1e6, ".2f")} M | {share} | {_stopped(s)} |')
+  t = r.get('training', {})
+  rows += ['', '| training batch | steps/s | frames/s | compile s |', '|---:|---:|---:|---:|']
+  rows += [f'| {x["batch"]:,} | {x["steps_per_s"]:.1f} | {num(x["frames_per_s"])} | '
+           f'{x["compile_s"]:.1f} |' for x in t.get('results', [])]
+  rows.append(f'Training stopped: {_stopped(t)}; on {t.get("devices", "?")} device(s).')
+  rows += ['', '| matmul | n | GFLOP/s |', '|---|---:|---:|']
+  rows += [f'| {d} | {x["n"]} | {num(x["gflops_per_s"])} |'
+           for d, x in r.get('matmul', {}).items()
+           if isinstance(x, dict) and 'gflops_per_s' in x]
+  tf = tg.get('float32_matmul')
+  rows += ['', f'"float32": JAX `jax_default_matmul_precision` = '
+           f'{dev.get("jax_default_matmul_precision")} (XLA picks: TF32 on NVIDIA Ampere and '
+           'newer); torch_geometric ' + (
+               f'`torch.get_float32_matmul_precision()` = {tf["precision"]}, CUDA allow_tf32 '
+               f'{tf["cuda_allow_tf32"]}' if tf else f'({tg.get("status")})') + '.']
+  if r.get('errors'):
+    rows.append(f'Failed sections (tracebacks in the JSON): {", ".join(r["errors"])}.')
+  return '\n'.join(rows) + '\n'
+
+
 # ----------------------------------------------------------------------------------------------
 # The absl main (flags defined only when run as a script, so tests can import this module).
 
@@ -651,6 +728,8 @@ def define_flags() -> None:
   flags.DEFINE_float('measure_s', None, 'Seconds of timed calls per measurement (default 0.5).')
   flags.DEFINE_boolean('torch', True, 'Measure PyTorch + torch_geometric when installed.')
   flags.DEFINE_string('torch_child', None, 'Internal: run the PyTorch part from this spec.')
+  flags.DEFINE_string('report', None, 'Print an existing JSON of this check (a partial one too) '
+                      'as Markdown, and measure nothing.')
 
 
 def main(argv) -> None:
@@ -659,6 +738,12 @@ def main(argv) -> None:
   F = flags.FLAGS
   if F.torch_child:
     torch_child(F.torch_child)
+    return
+  if F.report:
+    try:
+      print(markdown(json.loads(Path(F.report).read_text())), end='')
+    except (OSError, ValueError) as e:
+      raise SystemExit(f'error: cannot read {F.report}: {e}') from None
     return
   os.environ.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', MEM_FRACTION)  # before JAX starts
   o = Options(output_json=F.output_json, size=F.size, rig=F.rig, max_batch=F.max_batch,

@@ -30,7 +30,9 @@ def result(tmp_path_factory):
   assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
   assert 'frames/s' in done.stdout and 'jax' in done.stdout.splitlines()[0]  # versions, table
   assert 'frames/s' in (out / 'device_check.log').read_text()
-  return json.loads((out / 'device_check.json').read_text())
+  result = json.loads((out / 'device_check.json').read_text())
+  result['_markdown'] = (out / 'device_check.md').read_text()
+  return result
 
 
 def _doubles(batches):
@@ -44,6 +46,7 @@ def test_json_structure(result):
               'seconds'):
     assert key in result, key
   assert result['complete'] and result['errors'] == []
+  assert 'jax_default_matmul_precision' in result['device']
   dev = result['device']
   assert dev['backend'] == 'cpu' and dev['device_count'] >= 1 and dev['devices']
   assert dev['versions']['jax'] and dev['versions']['flax']
@@ -53,6 +56,7 @@ def test_json_structure(result):
   tg = result['torch_geometric']
   if tg['status'] == 'ok':  # PyTorch + torch_geometric installed: the same network's size
     assert tg['model']['params'] == result['model']['params']
+    assert tg['float32_matmul']['precision'] in ('highest', 'high', 'medium')
     assert _doubles(tg['batches'])
   else:
     assert tg['status'].startswith('not installed')
@@ -73,6 +77,29 @@ def test_inference_batches_double_and_rates_are_positive(result):
   for key in ('bf16_speedup', 'bf16_products_speedup'):
     assert [r['batch'] for r in result[key]] == [1, 2, 4]
     assert all(r['speedup'] > 0 for r in result[key])
+
+
+def test_markdown_report_holds_the_measurements(result, tmp_path):
+  """The `.md` beside the JSON: one row per batch with the JSON's frames/s, each variant's
+  best batch against the 1M goal; `--report` prints the same from the JSON, and a partial JSON
+  (written before the sections ran) renders too."""
+  md = result['_markdown']
+  result = {k: v for k, v in result.items() if k != '_markdown'}
+  assert md == device_check.markdown(result)
+  lines = md.splitlines()
+  for r in result['inference']['float32']['results']:
+    row = next(x for x in lines if x.startswith(f'| {r["batch"]:,} |'))
+    assert f'| {r["frames_per_s"]:,.0f} |' in row
+  for v in device_check.INFERENCE_VARIANTS:
+    assert any(x.startswith(f'| {v} |') and '%' in x for x in lines)
+  assert '| training batch |' in md and '| matmul |' in md
+  partial = {k: result[k] for k in ('command', 'device', 'torch_geometric')}
+  assert 'Device:' in device_check.markdown(partial)
+  path = tmp_path / 'check.json'
+  path.write_text(json.dumps(result))
+  done = subprocess.run([sys.executable, '-m', 'experiments.device_check', f'--report={path}'],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0 and done.stdout == md, done.stderr[-2000:]
 
 
 def test_training_rates(result):
