@@ -10,12 +10,14 @@ It measures, in this order, each section given a share of the time left (`SHARES
  1. PyTorch + torch_geometric (the paper's stack), when both import: the same network (per-joint
     input projection, `num_layers` blocks of GATConv -> ELU -> residual -> LayerNorm over the
     rig's tree with self loops, global shortcut, MLP head to 6D, Gram-Schmidt) forward in
-    `torch.no_grad()` at batch 1, 2, 4, ... (CUDA when available), in a child process that runs
+    `torch.no_grad()` at batch 1, 4, 16, ... (CUDA when available), in a child process that runs
     before JAX starts, so JAX's preallocated GPU memory cannot starve it. Else 'not installed';
  2. a large matmul's GFLOP/s (float32, bfloat16): what the device gives dense work;
  3. IK-GAT inference (`inference.ikgat_infer`, jitted, deterministic) on random root-relative
     positions of realistic scale (the rig's template rest pose + 3 cm noise per coordinate) with
-    the template's bone frames, at batch 1, 2, 4, ... doubling until the device runs out of
+    the template's bone frames, at batch 1, 4, 16, ... (times `--batch_step`: 4 on an
+    accelerator, whose compilation of each new shape (autotuning included) would otherwise
+    spend the section's time on small batches; 2 on the CPU) until the device runs out of
     memory (XLA's RESOURCE_EXHAUSTED, caught), `--max_batch` or the section's time is up;
     frames/s = batch / median call time (each call waited on with `block_until_ready`);
     XLA's FLOPs per frame. Then the same in bfloat16 (`evaluation.cast_floating`, positions
@@ -103,9 +105,9 @@ REPO = Path(__file__).resolve().parents[1]
 SHARES = {'torch_geometric': 0.2, 'matmul': 0.03, 'inference_float32': 0.27,
           'inference_bfloat16': 0.13, 'inference_bfloat16_products': 0.15, 'training': 0.22}
 INFERENCE_VARIANTS = ('float32', 'bfloat16', 'bfloat16_products')
-# The next batch's predicted cost / the last one's (compile + timed calls): inference doubles
-# the batch; a training step's cost is mostly its compilation, whatever the batch.
-GROWTH = {'inference': 2.2, 'training': 1.5}
+# The next batch's predicted cost / the last one's (compile + timed calls): inference's, 1.1x
+# the batch step (`growth`); a training step's cost is mostly its compilation, whatever the batch.
+GROWTH = {'training': 1.5}
 # GPU memory JAX may take (its default is 75%); set by the main only, if not set already.
 MEM_FRACTION = '0.9'
 
@@ -121,6 +123,7 @@ class Options:
   train_batches: tuple[int, ...] | None = None  # None: 256, 1024, 4096 (tiny: 4)
   measure_s: float | None = None  # None: 0.5 (tiny: 0.05)
   torch: bool = True  # False: skip PyTorch even when installed
+  batch_step: int | None = None  # None: 4 on an accelerator, 2 on the CPU
 
   def resolved(self, backend: str) -> 'Options':
     o = dataclasses.replace(self)
@@ -133,6 +136,8 @@ class Options:
     o.train_batches = tuple(b for b in o.train_batches if b <= o.max_batch) or (o.max_batch,)
     if o.measure_s is None:
       o.measure_s = 0.05 if o.tiny else 0.5
+    if o.batch_step is None:
+      o.batch_step = default_batch_step(backend != 'cpu')
     return o
 
 
@@ -157,27 +162,34 @@ class Budget:
     return max(self.left(), 0.0) * share
 
 
-def doubling_sweep(measure: Callable[[int], dict], max_batch: int, seconds: float,
-                   is_oom: Callable[[BaseException], bool], growth: float = GROWTH['inference']
-                   ) -> dict:
-  """`measure(b)` at b = 1, 2, 4, ... <= max_batch while the predicted cost fits in `seconds`.
+def default_batch_step(accelerator: bool) -> int:
+  return 4 if accelerator else 2
+
+
+def batch_sweep(measure: Callable[[int], dict], max_batch: int, seconds: float,
+                is_oom: Callable[[BaseException], bool], step: int = 2) -> dict:
+  """`measure(b)` at b = 1, step, step^2, ... <= max_batch while the predicted cost (1.1 step
+  times the last batch's) fits in `seconds`.
 
   The first batch is always measured. Returns {batches, results, stopped, largest_batch,
   best_batch, best_frames_per_s}; an out-of-memory error stops the sweep ('out_of_memory at
   batch N'), another runtime error too ('error at batch N: first line')."""
-  return sweep(measure, doubling(max_batch), seconds, is_oom, growth)
+  return sweep(measure, geometric_batches(max_batch, step), seconds, is_oom, 1.1 * step)
 
 
-def doubling(max_batch: int) -> list[int]:
+def geometric_batches(max_batch: int, step: int = 2) -> list[int]:
+  """1, step, step^2, ... <= max_batch."""
+  if step < 2:
+    raise ValueError(f'batch step must be at least 2, got {step}')
   out, b = [], 1
   while b <= max_batch:
     out.append(b)
-    b *= 2
+    b *= step
   return out
 
 
 def sweep(measure: Callable[[int], dict], batches: list[int], seconds: float,
-          is_oom: Callable[[BaseException], bool], growth: float = GROWTH['inference']) -> dict:
+          is_oom: Callable[[BaseException], bool], growth: float) -> dict:
   deadline = time.monotonic() + seconds
   results, stopped, last_cost = [], 'max_batch', 0.0
   for i, b in enumerate(batches):
@@ -331,8 +343,9 @@ def torch_child(spec_path: str) -> None:
 
   oom = lambda e: isinstance(e, getattr(torch.cuda, 'OutOfMemoryError', ())) or \
       'out of memory' in str(e).lower()
-  out = doubling_sweep(measure, spec['max_batch'], spec['seconds'], oom)
-  out.update(status='ok', device=str(dev),
+  step = spec['batch_step'] or default_batch_step(dev.type == 'cuda')
+  out = batch_sweep(measure, spec['max_batch'], spec['seconds'], oom, step)
+  out.update(status='ok', device=str(dev), batch_step=step,
              device_name=torch.cuda.get_device_name(0) if dev.type == 'cuda' else 'cpu',
              versions={'torch': torch.__version__, 'torch_geometric': torch_geometric.__version__,
                        'cuda': torch.version.cuda},
@@ -346,14 +359,15 @@ def torch_child(spec_path: str) -> None:
 
 
 def run_torch(rig, dims, rest: np.ndarray, max_batch: int, seconds: float,
-              measure_s: float) -> dict:
+              measure_s: float, batch_step: int | None = None) -> dict:
   """The torch_geometric section in a child process (timeout: its time plus 30 s)."""
   status = torch_status()
   if status != 'ok':
     return {'status': status}
   with tempfile.TemporaryDirectory() as tmp:
     spec = {'num_joints': rig.num_joints, 'parents': list(rig.parents), 'dims': list(dims),
-            'rest': rest.tolist(), 'max_batch': max_batch, 'seconds': max(seconds - 10.0, 1.0),
+            'rest': rest.tolist(), 'max_batch': max_batch, 'batch_step': batch_step,
+            'seconds': max(seconds - 10.0, 1.0),
             'measure_s': measure_s, 'output': str(Path(tmp) / 'torch.json')}
     spec_path = Path(tmp) / 'spec.json'
     spec_path.write_text(json.dumps(spec))
@@ -416,7 +430,7 @@ def build_model(o: Options, rig):
 
 
 def inference_section(model, rig, variant: str, o: Options, seconds: float) -> dict:
-  """The doubling sweep of one of `INFERENCE_VARIANTS`."""
+  """The batch sweep of one of `INFERENCE_VARIANTS`."""
   dtype = 'float32' if variant == 'bfloat16_products' else variant
   net = evaluation.cast_floating(model, dtype)
   if variant == 'bfloat16_products':
@@ -450,7 +464,7 @@ def inference_section(model, rig, variant: str, o: Options, seconds: float) -> d
     return {**rate_fields(times, b, first), 'compile_s': compile_s,
             'flops_per_frame': flops['per_frame']}
 
-  return doubling_sweep(measure, o.max_batch, seconds, jax_oom)
+  return batch_sweep(measure, o.max_batch, seconds, jax_oom, o.batch_step)
 
 
 def _flops(compiled) -> float | None:
@@ -544,7 +558,7 @@ def run(o: Options, log: Callable[[str], None] = print) -> dict:
   tg_seconds = budget.section('torch_geometric')
   if o.torch:
     tg = run_torch(rig, dims, rest, o.max_batch or (4 if o.tiny else 1 << 20), tg_seconds,
-                   o.measure_s or (0.05 if o.tiny else 0.5))
+                   o.measure_s or (0.05 if o.tiny else 0.5), o.batch_step)
   else:
     tg = {'status': 'skipped (--notorch)'}
   log(f'torch_geometric: {tg["status"]}')
@@ -727,6 +741,8 @@ def define_flags() -> None:
                     'capped by --max_batch).')
   flags.DEFINE_float('measure_s', None, 'Seconds of timed calls per measurement (default 0.5).')
   flags.DEFINE_boolean('torch', True, 'Measure PyTorch + torch_geometric when installed.')
+  flags.DEFINE_integer('batch_step', None, 'Inference batches 1, step, step^2, ... (default 4 on '
+                       'an accelerator, 2 on the CPU).', lower_bound=2)
   flags.DEFINE_string('torch_child', None, 'Internal: run the PyTorch part from this spec.')
   flags.DEFINE_string('report', None, 'Print an existing JSON of this check (a partial one too) '
                       'as Markdown, and measure nothing.')
@@ -749,7 +765,7 @@ def main(argv) -> None:
   o = Options(output_json=F.output_json, size=F.size, rig=F.rig, max_batch=F.max_batch,
               time_budget_s=F.time_budget_s, tiny=F.tiny,
               train_batches=tuple(int(b) for b in F.train_batches) if F.train_batches else None,
-              measure_s=F.measure_s, torch=F.torch)
+              measure_s=F.measure_s, torch=F.torch, batch_step=F.batch_step)
   if run(o)['errors']:
     sys.exit(1)  # the JSON is written; the failed sections' tracebacks are in it and above
 

@@ -52,7 +52,7 @@ def test_json_structure(result):
   assert dev['versions']['jax'] and dev['versions']['flax']
   assert result['model']['size'] == 'tiny' and result['model']['source'] == 'random init'
   assert result['model']['params'] > 0
-  assert result['config']['max_batch'] == 4
+  assert result['config']['max_batch'] == 4 and result['config']['batch_step'] == 2  # the CPU
   tg = result['torch_geometric']
   if tg['status'] == 'ok':  # PyTorch + torch_geometric installed: the same network's size
     assert tg['model']['params'] == result['model']['params']
@@ -121,26 +121,26 @@ def test_sweep_stops_at_out_of_memory_budget_and_max_batch():
       raise JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate')
     return {'frames_per_s': float(b)}
 
-  s = device_check.doubling_sweep(measure, 1 << 10, 60.0, device_check.jax_oom)
+  s = device_check.batch_sweep(measure, 1 << 10, 60.0, device_check.jax_oom)
   assert s['batches'] == [1, 2, 4, 8] and s['stopped'] == 'out_of_memory at batch 16'
   assert s['best_batch'] == 8
-  assert device_check.doubling_sweep(measure, 4, 60.0, device_check.jax_oom)['stopped'] == \
+  assert device_check.batch_sweep(measure, 4, 60.0, device_check.jax_oom)['stopped'] == \
       'max_batch'
-  s = device_check.doubling_sweep(lambda b: {'frames_per_s': 1.0}, 1 << 10, 0.0,
+  s = device_check.batch_sweep(lambda b: {'frames_per_s': 1.0}, 1 << 10, 0.0,
                                   device_check.jax_oom)
   assert s['batches'] == [1] and s['stopped'] == 'budget'  # the first batch always runs
 
   def other(b):
     raise JaxRuntimeError('INTERNAL: something else\nmore')
 
-  assert device_check.doubling_sweep(other, 8, 60.0, device_check.jax_oom)['stopped'] == \
+  assert device_check.batch_sweep(other, 8, 60.0, device_check.jax_oom)['stopped'] == \
       'error at batch 1: INTERNAL: something else'
 
   def bug(b):
     raise KeyError('a bug of the script is not swallowed')
 
   with pytest.raises(KeyError):
-    device_check.doubling_sweep(bug, 8, 60.0, device_check.jax_oom)
+    device_check.batch_sweep(bug, 8, 60.0, device_check.jax_oom)
 
 
 def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, capsys):
@@ -156,7 +156,7 @@ def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path, monkey
     if variant == 'bfloat16':
       raise TypeError('an API this JAX lacks')
     return device_check.sweep(lambda b: {'frames_per_s': 10.0 * b}, [1, 2], seconds,
-                              device_check.jax_oom)
+                              device_check.jax_oom, 2.2)
 
   def training(rig, o, seconds):
     on_disk = json.loads(out.read_text())  # written after each section
@@ -180,6 +180,29 @@ def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path, monkey
   text = device_check.table(r)
   assert 'failed sections (tracebacks in the JSON): inference_bfloat16, training' in text
   assert 'bf16 TypeError: an API this JAX lacks' in text and '      20' in text
+
+
+def test_batches_grow_by_the_step_and_the_budget_predicts_by_it(monkeypatch):
+  assert device_check.geometric_batches(1 << 20, 4) == [4**k for k in range(11)]
+  assert device_check.geometric_batches(100, 2) == [1, 2, 4, 8, 16, 32, 64]
+  assert device_check.geometric_batches(0, 4) == []
+  with pytest.raises(ValueError):
+    device_check.geometric_batches(8, 1)
+  assert device_check.default_batch_step(True) == 4 and device_check.default_batch_step(False) == 2
+  clock, seen = [0.0], []
+  monkeypatch.setattr(device_check.time, 'monotonic', lambda: clock[0])
+
+  def measure(b):  # each batch costs 1 s of the fake clock
+    seen.append(b)
+    clock[0] += 1.0
+    return {'frames_per_s': float(b)}
+
+  # After batch 1 (1 s), 4.4 s more fit in 6 s; after batch 4 (2 s spent), they do not.
+  s = device_check.batch_sweep(measure, 1 << 10, 6.0, device_check.jax_oom, step=4)
+  assert seen == [1, 4] and s['stopped'] == 'budget' and s['best_batch'] == 4
+  clock[0], seen[:] = 0.0, []
+  assert device_check.batch_sweep(measure, 1 << 10, 6.0, device_check.jax_oom, step=2)[
+      'batches'] == [1, 2, 4, 8]  # 2.2 s predicted each time: fits after 1, 2 and 3 s
 
 
 def test_budget_shares_renormalise():
