@@ -24,7 +24,9 @@ It measures, in this order, each section given a share of the time left (`SHARES
     bfloat16, output float32, as the benchmark's bf16 rows), and with bfloat16 products only
     ('bfloat16_products': `model.set_matmul_precision`, the large products' inputs in
     bfloat16 and their sums in float32, everything else float32; on the CPU with their XLA
-    options, `inference.compiler_options`);
+    options, `inference.compiler_options`); and float32 with the opt-in attention form
+    ('float32_auto': `gat.set_form(model, 'auto')`, `--attention=auto`: dense below 4 frames,
+    sparse from 4), between the float32 sweep and the bfloat16 ones;
  4. training: `train.make_train_step` (AdamW, augmentation, the IK-GAT loss; the recipe of
     experiments/configs/default.py at `--size`) on synthetic batches with the keys of
     `input_pipeline.gather_batch` (positions by FK of random local rotations of the template),
@@ -38,9 +40,9 @@ default is 75%) and uses the command line's compilation cache (ik_gat_jax/compil
 a rerun on the same machine compiles less.
 
 Every measurement is bounded: at least 3 timed calls after the compiling one, more until
-`measure_s` has passed (at most 200); a batch is not tried when the last one's time, doubled,
-would pass the section's deadline. `--tiny` (the test's mode: tiny model, batches up to 4, one
-training batch, short measurements) runs on a CPU in about 20 s.
+`measure_s` has passed (at most 200); a batch is not tried when the last one's time, times
+1.1 the batch step, would pass the section's deadline. `--tiny` (the test's mode: tiny model,
+batches up to 4, one training batch, short measurements) runs on a CPU in about 20 s.
 
 'float32' means each framework's default for float32 products, recorded in the JSON: JAX lets
 XLA use TF32 tensor cores on NVIDIA Ampere and newer (`jax_default_matmul_precision` None),
@@ -50,13 +52,13 @@ JAX/PyTorch ratio with that in mind.
 The JSON: command, config, device {backend, devices, device_kind, memory_stats, versions,
 jax_default_matmul_precision, nvidia_smi}, provenance, compile_cache, model {size, rig,
 source, params, dims}, torch_geometric {status, versions, float32_matmul, device, model,
-results [...], stopped}, matmul {dtype: ...},
-inference {float32|bfloat16|bfloat16_products: {batches, results [{batch, frames_per_s,
+batch_step, results [...], stopped}, matmul {dtype: ...}, inference
+{float32|float32_auto|bfloat16|bfloat16_products: {batches, results [{batch, frames_per_s,
 median_ms, p99_ms, calls, compile_s, flops_per_frame}], stopped, largest_batch, best_batch,
-best_frames_per_s}}, bf16_speedup [{batch, speedup}], bf16_products_speedup [{batch, speedup}],
-training {batches, results [{batch, steps_per_s, frames_per_s, median_ms, calls, compile_s,
-loss}], stopped, note}, ratios
-{jax_f32_over_torch_geometric [{batch, ratio}]}, seconds, complete, errors. `stopped` is
+best_frames_per_s}}, auto_speedup, bf16_speedup, bf16_products_speedup [{batch, speedup}]
+(against float32), training {batches, results [{batch, steps_per_s, frames_per_s, median_ms,
+calls, compile_s, loss}], stopped, note}, ratios {jax_f32_over_torch_geometric [{batch,
+ratio}]}, seconds, complete, errors. `stopped` is
 'max_batch', 'budget', 'out_of_memory at batch N' or 'error at batch N: ...' (the first line of
 an XLA error).
 
@@ -94,7 +96,7 @@ import numpy as np
 
 from experiments.benchmark_suite import matmul_gflops
 from experiments.configs import default as default_config
-from ik_gat_jax import bone_frames, compile_cache, evaluation, inference, kinematics
+from ik_gat_jax import bone_frames, compile_cache, evaluation, gat, inference, kinematics
 from ik_gat_jax import model as model_lib
 from ik_gat_jax import provenance, rotations, skeleton, train
 from ik_gat_jax.io import atomic
@@ -102,9 +104,12 @@ from ik_gat_jax.io import atomic
 REPO = Path(__file__).resolve().parents[1]
 # Share of the time left that each section gets when it starts (renormalised over the sections
 # still to come, so an absent PyTorch gives its time to the others).
-SHARES = {'torch_geometric': 0.2, 'matmul': 0.03, 'inference_float32': 0.27,
-          'inference_bfloat16': 0.13, 'inference_bfloat16_products': 0.15, 'training': 0.22}
-INFERENCE_VARIANTS = ('float32', 'bfloat16', 'bfloat16_products')
+SHARES = {'torch_geometric': 0.18, 'matmul': 0.03, 'inference_float32': 0.22,
+          'inference_float32_auto': 0.14, 'inference_bfloat16': 0.11,
+          'inference_bfloat16_products': 0.12, 'training': 0.2}
+INFERENCE_VARIANTS = ('float32', 'float32_auto', 'bfloat16', 'bfloat16_products')
+SHORT = {'float32': 'f32', 'float32_auto': 'f32 auto', 'bfloat16': 'bf16',
+         'bfloat16_products': 'bf16 products'}  # the text table's column names
 # The next batch's predicted cost / the last one's (compile + timed calls): inference's, 1.1x
 # the batch step (`growth`); a training step's cost is mostly its compilation, whatever the batch.
 GROWTH = {'training': 1.5}
@@ -431,10 +436,13 @@ def build_model(o: Options, rig):
 
 def inference_section(model, rig, variant: str, o: Options, seconds: float) -> dict:
   """The batch sweep of one of `INFERENCE_VARIANTS`."""
-  dtype = 'float32' if variant == 'bfloat16_products' else variant
+  dtype = 'bfloat16' if variant == 'bfloat16' else 'float32'
   net = evaluation.cast_floating(model, dtype)
+  if variant in ('float32_auto', 'bfloat16_products'):
+    net = nnx.clone(net)  # the caller's model keeps its form and float32 kernels
+  if variant == 'float32_auto':
+    gat.set_form(net, 'auto')
   if variant == 'bfloat16_products':
-    net = nnx.clone(net)  # the caller's model keeps its float32 kernels
     model_lib.set_matmul_precision(net, 'bfloat16')
   B = bone_frames.bone_frames(jnp.asarray(rig.template(), jnp.float32), rig)[None]
   rest = skeleton.rest_positions_np(rig.template(), rig.parents)
@@ -602,7 +610,7 @@ def run(o: Options, log: Callable[[str], None] = print) -> dict:
     s = section(result['inference'], variant, f'inference_{variant}',
                 lambda: inference_section(model, rig, variant, o, seconds))  # noqa: B023
     log(f'inference {variant}: batches {s.get("batches")}, stopped: {_stopped(s)}')
-  for key, variant in (('bf16_speedup', 'bfloat16'),
+  for key, variant in (('auto_speedup', 'float32_auto'), ('bf16_speedup', 'bfloat16'),
                        ('bf16_products_speedup', 'bfloat16_products')):
     result[key] = [{'batch': r['batch'], 'speedup': r['ratio']} for r in _ratios(
         result['inference'][variant], result['inference']['float32'])]
@@ -642,16 +650,14 @@ def table(r: dict) -> str:
   rows = [f'IK-GAT {r["model"]["size"]} ({r["model"]["params"]:,} params, {r["model"]["source"]})'
           f' on {r["device"]["backend"]} {r["device"]["device_kind"]}']
   inf = r['inference']
-  f32, bf16, prod, tg = ({x['batch']: x for x in s.get('results', [])} for s in (
-      inf['float32'], inf['bfloat16'], inf['bfloat16_products'], r['torch_geometric']))
-  rows.append(f'{"batch":>8} {"f32 frames/s":>14} {"bf16 frames/s":>14} '
-              f'{"bf16 products":>14} {"torch_geometric":>16}')
-  for b in sorted(set(f32) | set(bf16) | set(prod) | set(tg)):
+  cols = {SHORT[v]: inf.get(v, {}) for v in INFERENCE_VARIANTS}
+  cols['torch_geometric'] = r['torch_geometric']
+  by = {k: {x['batch']: x for x in s.get('results', [])} for k, s in cols.items()}
+  rows.append(f'{"batch":>8} ' + ' '.join(f'{k:>15}' for k in by) + '   (frames/s)')
+  for b in sorted(set().union(*by.values())):
     cell = lambda d: f'{d[b]["frames_per_s"]:,.0f}' if b in d else '-'
-    rows.append(f'{b:>8} {cell(f32):>14} {cell(bf16):>14} {cell(prod):>14} {cell(tg):>16}')
-  rows.append(f'stopped: f32 {_stopped(inf["float32"])}, bf16 {_stopped(inf["bfloat16"])}, '
-              f'bf16 products {_stopped(inf["bfloat16_products"])}; torch_geometric '
-              f'{_stopped(r["torch_geometric"])}')
+    rows.append(f'{b:>8} ' + ' '.join(f'{cell(d):>15}' for d in by.values()))
+  rows.append('stopped: ' + ', '.join(f'{k} {_stopped(s)}' for k, s in cols.items()))
   for t in r['training'].get('results', []):
     rows.append(f'train batch {t["batch"]:>6}: {t["steps_per_s"]:,.1f} steps/s, '
                 f'{t["frames_per_s"]:,.0f} frames/s')
@@ -678,19 +684,19 @@ def markdown(r: dict) -> str:
           f'device(s)); {", ".join(f"{k} {v}" for k, v in dev.get("versions", {}).items())}.',
           f'Model: IK-GAT {m.get("size")} ({num(m.get("params"))} parameters, '
           f'{m.get("source")}). Command: `{r.get("command")}`.', '']
-  variants = ('float32', 'bfloat16', 'bfloat16_products')
+  variants = INFERENCE_VARIANTS
   by = {v: {x['batch']: x for x in inf.get(v, {}).get('results', [])} for v in variants}
   by['tg'] = {x['batch']: x for x in tg.get('results', [])}
-  rows += ['| batch | float32 frames/s | float32 ms | bfloat16 frames/s | bfloat16 products '
-           'frames/s | torch_geometric frames/s | JAX float32 / torch_geometric |',
-           '|---:|---:|---:|---:|---:|---:|---:|']
+  rows += ['| batch | float32 frames/s | float32 ms | float32, attention auto | bfloat16 | '
+           'bfloat16 products | torch_geometric | JAX float32 / torch_geometric |',
+           '|---:|---:|---:|---:|---:|---:|---:|---:|']
   for b in sorted(set().union(*by.values())):
     cell = lambda v, k='frames_per_s': num(by[v][b][k]) if b in by[v] else '-'
     ratio = (f'{by["float32"][b]["frames_per_s"] / by["tg"][b]["frames_per_s"]:.2f}x'
              if b in by['float32'] and b in by['tg'] else '-')
     ms = num(by['float32'].get(b, {}).get('median_ms'), '.3f')
-    rows.append(f'| {b:,} | {cell("float32")} | {ms} | {cell("bfloat16")} | '
-                f'{cell("bfloat16_products")} | {cell("tg")} | {ratio} |')
+    rows.append(f'| {b:,} | {cell("float32")} | {ms} | {cell("float32_auto")} | '
+                f'{cell("bfloat16")} | {cell("bfloat16_products")} | {cell("tg")} | {ratio} |')
   f32_rate = (r.get('matmul', {}).get('float32') or {}).get('gflops_per_s')
   rows += ['', '| variant | best frames/s (batch) | of the 1M goal | FLOPs per frame | '
            'share of the float32 matmul | stopped |', '|---|---:|---:|---:|---:|---|']

@@ -41,7 +41,8 @@ def _doubles(batches):
 
 def test_json_structure(result):
   for key in ('command', 'config', 'device', 'provenance', 'compile_cache', 'model',
-              'torch_geometric', 'matmul', 'inference', 'bf16_speedup', 'bf16_products_speedup',
+              'torch_geometric', 'matmul', 'inference', 'auto_speedup', 'bf16_speedup',
+              'bf16_products_speedup',
               'training', 'ratios',
               'seconds'):
     assert key in result, key
@@ -66,15 +67,15 @@ def test_json_structure(result):
 
 
 def test_inference_batches_double_and_rates_are_positive(result):
-  for dtype in ('float32', 'bfloat16', 'bfloat16_products'):
-    s = result['inference'][dtype]
+  for variant in device_check.INFERENCE_VARIANTS:
+    s = result['inference'][variant]
     assert _doubles(s['batches']), s['batches']
     assert s['batches'] == [1, 2, 4] and s['stopped'] == 'max_batch'
     assert s['largest_batch'] == 4 and s['best_batch'] in s['batches']
     for r in s['results']:
       assert r['frames_per_s'] > 0 and r['median_ms'] > 0 and r['calls'] >= 3
       assert r['compile_s'] >= 0 and r['flops_per_frame'] > 0
-  for key in ('bf16_speedup', 'bf16_products_speedup'):
+  for key in ('auto_speedup', 'bf16_speedup', 'bf16_products_speedup'):
     assert [r['batch'] for r in result[key]] == [1, 2, 4]
     assert all(r['speedup'] > 0 for r in result[key])
 
