@@ -187,6 +187,17 @@ def precision_options(precision: str) -> dict[str, str] | None:
   return None
 
 
+def one_frame_options(options: dict | None) -> dict | None:
+  """`options` for an executable of one frame (`IKSolver.step`'s): on the CPU also Eigen's
+  products on the executing thread (`xla_cpu_multi_thread_eigen` off). A frame's products
+  are too small to gain from XLA's intra-op thread pool, and handing them to it cost 3% of a
+  pinned live frame (BENCHMARKS.md, issue N session 32). The same function up to float32
+  round-off (a product the pool splits may sum in another order; tests/shipped_test.py)."""
+  if jax.default_backend() != 'cpu':
+    return options
+  return {**(options or {}), 'xla_cpu_multi_thread_eigen': False}
+
+
 def flop_frames(limit: int = 64) -> int:
   """Frames to count a forward's FLOPs per frame on: at most one block (XLA's cost analysis
   counts a loop body once whatever its trip count, so a batch of several blocks would read

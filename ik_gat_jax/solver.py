@@ -631,6 +631,7 @@ class IKSolver:
     # and the XLA options every executable compiles with (`_compile`).
     self.matmul_precision = model_lib.matmul_precision(model)
     self._options = inference.precision_options(self.matmul_precision)
+    self._one_frame = inference.one_frame_options(self._options)  # `step`'s executables
     # The refinement's pose prior (issue J): a `vposer.PosePrior` for this rig, or None.
     self._prior, prior_state = (vposer.decoder(refine_prior)
                                 if refine_iters > 0 and refine_prior is not None else (None, None))
@@ -922,7 +923,8 @@ class IKSolver:
     signature = (full, pos.shape, pos.dtype.str, None if sparse is None else tuple(
         (k, v.shape, v.dtype.str) for k, v in sorted(sparse.items())))
     return self._compiled_for(signature, args,
-                              lambda: self._forward.lower(args[0], *args[1:4], full, *args[4:]))
+                              lambda: self._forward.lower(args[0], *args[1:4], full, *args[4:]),
+                              self._one_frame if pos.shape[0] == 1 else self._options)
 
   def _compiled_in(self) -> tuple[list, np.ndarray, np.ndarray]:
     """What `step`'s executables on the solver's own subject compile in as constants: the
@@ -948,11 +950,14 @@ class IKSolver:
     forward = self._forward
     step = jax.jit(lambda p: forward(leaves, p, off, B, False)['local_rot'][0])
     signature = ('step', _constants_digest((leaves, off, B)))
-    self._step_exec = self._compiled_for(signature, (x,), lambda: step.lower(x))
+    self._step_exec = self._compiled_for(signature, (x,), lambda: step.lower(x),
+                                         self._one_frame)
     return self._step_exec
 
-  def _compiled_for(self, signature: tuple, args: tuple, lower: Callable[[], Any]):
-    """`lower().compile()` for `args`, once per `signature` and process. Once the command line
+  def _compiled_for(self, signature: tuple, args: tuple, lower: Callable[[], Any],
+                    options: dict | None):
+    """`lower().compile(options)` for `args`, once per `signature` and process (`options`: XLA's,
+    a function of the signature: `_options`, or `_one_frame` for one frame). Once the command line
     turned its caches on (`compile_cache.executables_dir()`), a signature compiled by an earlier
     run is loaded from the executable cache, skipping tracing and lowering too (0.3 s of a CLI
     solve); its entry's name hashes the model's graph definition and state shapes, the
@@ -974,16 +979,18 @@ class IKSolver:
                              f' of {inference.MICRO_BATCH_CPU}')
       avals = [(np.shape(a), str(a.dtype)) for a in jax.tree.leaves(args)]
       key = compile_cache.executable_key(
-          f'{self._description}\n{signature}\n{jax.tree.structure(args)}\n{avals}')
+          f'{self._description}\n{signature}\n{jax.tree.structure(args)}\n{avals}\n'
+          f'{sorted((options or {}).items())}')
       exe = compile_cache.load_executable(key)
     if exe is None:
-      exe = compile_cache.compile_for_entry(key, lower, args, self._options)
+      exe = compile_cache.compile_for_entry(key, lower, args, options)
     self._executables[signature] = exe
     return exe
 
-  def _compile(self, lowered):
-    """`lowered.compile()` with the solver's XLA options (`inference.compiler_options`)."""
-    return lowered.compile(compiler_options=self._options)
+  def _compile(self, lowered, one_frame: bool = False):
+    """`lowered.compile()` with the solver's XLA options (`inference.compiler_options`; for
+    one frame, `step`'s, `inference.one_frame_options`)."""
+    return lowered.compile(compiler_options=self._one_frame if one_frame else self._options)
 
   def solve(self, positions, *, offsets=None, estimate_lengths: bool = False,
             units: str | float | None = None, input_axes: str | np.ndarray | None = None,
@@ -1167,7 +1174,7 @@ class IKSolver:
                                             for k, v in sorted(sparse.items()))
     exe = self._stream_execs.get(key)
     if exe is None:
-      exe = self._stream_execs[key] = self._compile(self._stream_step.lower(*args))
+      exe = self._stream_execs[key] = self._compile(self._stream_step.lower(*args), True)
     self._filter_state, out = exe(*args)
     return np.asarray(out)
 
@@ -1180,7 +1187,7 @@ class IKSolver:
     if exe is None:
       (leaves, off, B), stream_step = self._compiled_in(), self._stream_step
       exe = self._compile(jax.jit(lambda fs, p: stream_step(leaves, fs, p, off, B)).lower(
-          fstate, x))
+          fstate, x), True)
       self._stream_execs['own subject'] = exe
     self._filter_state, out = exe(fstate, x)
     return np.asarray(out)

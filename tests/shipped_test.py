@@ -202,6 +202,33 @@ def test_bfloat16_products_on_real_frames(cmu_shards):
                              solvers[1].solve(noisy[:1], offsets=other)[0], atol=2e-5)
 
 
+def test_one_frame_options_compute_the_same_numbers(cmu_shards):
+  """`step`'s executables compile with `inference.one_frame_options` (on the CPU, Eigen's
+  products on the executing thread): on 40 real frames (07_02), the same program compiled with
+  the solver's plain options gives the same rotations up to float32 round-off (a product split
+  across threads may sum in another order: measured 3e-7 per entry at the suite's XLA level 0,
+  bit for bit at XLA's default; the bound 2e-5 as for a different batch shape below, where a
+  wrong row or joint moves entries by ~1e-1), and `step` is that executable."""
+  import jax
+  from ik_gat_jax import IKSolver, inference
+  ds = data.load_shards(cmu_shards, 'val')
+  frames = np.asarray(ds.positions, np.float32)[:40]
+  solver = IKSolver.from_checkpoint(offsets=np.asarray(ds.offsets[0]))
+  assert solver._one_frame == inference.one_frame_options(solver._options)  # pylint: disable=protected-access
+  if jax.default_backend() == 'cpu':
+    assert solver._one_frame['xla_cpu_multi_thread_eigen'] is False  # pylint: disable=protected-access
+  leaves, off, B = solver._compiled_in()  # pylint: disable=protected-access
+  forward = solver._forward  # pylint: disable=protected-access
+  lowered = jax.jit(lambda p: forward(leaves, p, off, B, False)['local_rot'][0]).lower(
+      frames[:1])
+  plain, one = (lowered.compile(compiler_options=o) for o in (
+      solver._options, solver._one_frame))  # pylint: disable=protected-access
+  got = np.stack([np.asarray(one(f[None])) for f in frames])
+  np.testing.assert_allclose(got, np.stack([np.asarray(plain(f[None])) for f in frames]),
+                             atol=2e-5)
+  np.testing.assert_array_equal(np.stack([solver.step(f) for f in frames]), got)
+
+
 def test_blocked_forward_is_the_whole_batch_forward(cmu_dir):
   """`ikgat_infer` in blocks (of 64 here, the CPU default 32; the last block padded) gives
   every frame the whole-batch forward's rotations, with the bone frames per frame or
