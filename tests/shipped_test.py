@@ -214,15 +214,17 @@ def test_one_frame_options_compute_the_same_numbers(cmu_shards):
   ds = data.load_shards(cmu_shards, 'val')
   frames = np.asarray(ds.positions, np.float32)[:40]
   solver = IKSolver.from_checkpoint(offsets=np.asarray(ds.offsets[0]))
-  assert solver._one_frame == inference.one_frame_options(solver._options)  # pylint: disable=protected-access
+  # pylint: disable=protected-access
+  assert solver._one_frame == inference.one_frame_options(solver._options)
   if jax.default_backend() == 'cpu':
-    assert solver._one_frame['xla_cpu_multi_thread_eigen'] is False  # pylint: disable=protected-access
-  leaves, off, B = solver._compiled_in()  # pylint: disable=protected-access
-  forward = solver._forward  # pylint: disable=protected-access
+    assert solver._one_frame['xla_cpu_multi_thread_eigen'] is False
+  leaves, off, B = solver._compiled_in()
+  forward = solver._forward
   lowered = jax.jit(lambda p: forward(leaves, p, off, B, False)['local_rot'][0]).lower(
       frames[:1])
   plain, one = (lowered.compile(compiler_options=o) for o in (
-      solver._options, solver._one_frame))  # pylint: disable=protected-access
+      solver._options, solver._one_frame))
+  # pylint: enable=protected-access
   got = np.stack([np.asarray(one(f[None])) for f in frames])
   np.testing.assert_allclose(got, np.stack([np.asarray(plain(f[None])) for f in frames]),
                              atol=2e-5)
