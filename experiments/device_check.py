@@ -110,9 +110,10 @@ SHARES = {'torch_geometric': 0.18, 'matmul': 0.03, 'inference_float32': 0.22,
 INFERENCE_VARIANTS = ('float32', 'float32_auto', 'bfloat16', 'bfloat16_products')
 SHORT = {'float32': 'f32', 'float32_auto': 'f32 auto', 'bfloat16': 'bf16',
          'bfloat16_products': 'bf16 products'}  # the text table's column names
-# The next batch's predicted cost / the last one's (compile + timed calls): inference's, 1.1x
-# the batch step (`growth`); a training step's cost is mostly its compilation, whatever the batch.
-GROWTH = {'training': 1.5}
+# The next batch's predicted cost / the last one's (compile + timed calls): for inference 1.1x
+# the batch step (`batch_sweep`); a training step's cost is mostly its compilation, whatever the
+# batch, so 1.5 there.
+TRAINING_GROWTH = 1.5
 # GPU memory JAX may take (its default is 75%); set by the main only, if not set already.
 MEM_FRACTION = '0.9'
 
@@ -168,6 +169,7 @@ class Budget:
 
 
 def default_batch_step(accelerator: bool) -> int:
+  """The inference batches' growth factor (module docstring)."""
   return 4 if accelerator else 2
 
 
@@ -524,7 +526,7 @@ def training_section(rig, o: Options, seconds: float) -> dict:
            'loss': float(holder['loss'])}
     return out
 
-  res = sweep(measure, list(o.train_batches), seconds, jax_oom, GROWTH['training'])
+  res = sweep(measure, list(o.train_batches), seconds, jax_oom, TRAINING_GROWTH)
   res['note'] = ('the jitted train step alone (AdamW, augmentation, loss) on a batch already on '
                  'the device; the host input pipeline is not included')
   res['devices'] = mesh.size
@@ -766,6 +768,9 @@ def main(argv) -> None:
       print(markdown(json.loads(Path(F.report).read_text())), end='')
     except (OSError, ValueError) as e:
       raise SystemExit(f'error: cannot read {F.report}: {e}') from None
+    except (AttributeError, TypeError, KeyError) as e:
+      raise SystemExit(f'error: {F.report} is not a JSON of this check ({type(e).__name__}: '
+                       f'{e})') from None
     return
   os.environ.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', MEM_FRACTION)  # before JAX starts
   o = Options(output_json=F.output_json, size=F.size, rig=F.rig, max_batch=F.max_batch,

@@ -9,7 +9,8 @@
 #    .whl/flax/ too, but only where Flax's nnx does not import (a Flax older than its JAX:
 #    flax <= 0.12.9 with jax 0.11.2).
 # 2. Prints the versions, then runs the check: OUTDIR/device_check.json (written after each
-#    section), OUTDIR/device_check.log (everything printed). Exit status: the check's.
+#    section), OUTDIR/device_check.md (its Markdown tables, at the end), OUTDIR/device_check.log
+#    (everything printed). Exit status: the check's.
 # PYTHON picks the interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -101,6 +101,10 @@ def test_markdown_report_holds_the_measurements(result, tmp_path):
   done = subprocess.run([sys.executable, '-m', 'experiments.device_check', f'--report={path}'],
                         cwd=REPO, capture_output=True, text=True, timeout=120)
   assert done.returncode == 0 and done.stdout == md, done.stderr[-2000:]
+  path.write_text('[1, 2]')  # JSON, but not this check's
+  done = subprocess.run([sys.executable, '-m', 'experiments.device_check', f'--report={path}'],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert done.returncode != 0 and 'is not a JSON of this check' in done.stderr.splitlines()[-1]
 
 
 def test_training_rates(result):
