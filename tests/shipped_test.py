@@ -206,9 +206,9 @@ def test_one_frame_options_compute_the_same_numbers(cmu_shards):
   """`step`'s executables compile with `inference.one_frame_options` (on the CPU, Eigen's
   products on the executing thread): on 40 real frames (07_02), the same program compiled with
   the solver's plain options gives the same rotations up to float32 round-off (a product split
-  across threads may sum in another order: measured 3e-7 per entry at the suite's XLA level 0,
-  bit for bit at XLA's default; the bound 2e-5 as for a different batch shape below, where a
-  wrong row or joint moves entries by ~1e-1), and `step` is that executable."""
+  across threads may sum in another order: measured 3e-7 per entry at the suite's XLA level 0;
+  the bound 2e-5 as for a different batch shape below, where a wrong row or joint moves
+  entries by ~1e-1), and `step` is that executable."""
   import jax
   from ik_gat_jax import IKSolver, inference
   ds = data.load_shards(cmu_shards, 'val')
