@@ -1,7 +1,7 @@
 """Where one live frame's time goes: `IKSolver.step` split into its parts (issue N item 1).
 
   taskset -c 0 python -m experiments.latency_breakdown [--checkpoint=DIR] [--calls=3000] \
-      [--json=FILE]
+      [--live_backend] [--json=FILE]
 
 Every part is timed alone, interleaved with the others in rounds (medians over all rounds, so a
 change in the machine's load hits every part alike), in ms per frame:
@@ -50,6 +50,9 @@ _DATA = flags.DEFINE_string('data', None, 'Shards whose val frames are fed (defa
 _CALLS = flags.DEFINE_integer('calls', 3000, 'Timed calls per part.')
 _PRECISION = flags.DEFINE_enum('matmul_precision', 'float32', ['float32', 'bfloat16'],
                                'The network\'s large products (IKSolver.from_checkpoint).')
+_LIVE = flags.DEFINE_boolean('live_backend', False, 'Start JAX with '
+                             '`ik_gat_jax.start_live_backend()` first: every call on the '
+                             'calling thread (README, "live stream").')
 _JSON = flags.DEFINE_string('json', None, 'Write the result here too.')
 
 
@@ -135,6 +138,8 @@ def breakdown(solver: IKSolver, frames: np.ndarray, calls: int) -> dict:
 @fail_on_user_error
 def main(argv):
   del argv
+  if _LIVE.value:
+    inference.start_live_backend()
   solver = IKSolver.from_checkpoint(_CKPT.value or inference.SHIPPED_IKGAT,
                                     matmul_precision=_PRECISION.value)
   if _DATA.value:
@@ -145,12 +150,13 @@ def main(argv):
     frames = rest[None] + 0.01 * rng.normal(size=(1000,) + rest.shape)
   result = breakdown(solver, frames, _CALLS.value)
   result.update(checkpoint=solver.source, matmul_precision=solver.matmul_precision,
-                cpus=sorted(os.sched_getaffinity(0)),
+                cpus=sorted(os.sched_getaffinity(0)), live_backend=inference.live_backend(),
                 xla_flags=os.environ.get('XLA_FLAGS', ''), backend=jax.default_backend(),
                 provenance=provenance.provenance())
   ms = result['ms']
   print(f"IK-GAT {solver.source}: one live frame, {solver.matmul_precision} products, "
         f"{len(result['cpus'])} core(s), "
+        f"{'live backend, ' if result['live_backend'] else ''}"
         f"XLA_FLAGS={result['xla_flags']!r}")
   for k in PARTS:
     print(f'  {k:16s} {ms[k]:7.3f} ms')

@@ -1,7 +1,8 @@
 """ik_gat_jax: amortized inverse kinematics of the human body (IK-GAT) in JAX/Flax.
 
 `import ik_gat_jax` stays light: `ik_gat_jax.IKSolver` (and `InputError`) import the solver,
-and with it JAX and Flax, on first use.
+and with it JAX and Flax, on first use. `ik_gat_jax.start_live_backend()`, called before any
+JAX computation, sets a process up for live frames (`inference.start_live_backend`).
 
 Importing the package applies one XLA workaround before JAX starts its backend: XLA's CPU
 "YNN" fusions are switched off (`--xla_cpu_experimental_ynn_fusion_type=`). On jaxlib 0.10.2
@@ -60,7 +61,7 @@ _apply_xla_workarounds()
 
 
 _LAZY = {'IKSolver': 'ik_gat_jax.solver', 'InputError': 'ik_gat_jax.solver',
-         'Solution': 'ik_gat_jax.solver'}
+         'Solution': 'ik_gat_jax.solver', 'start_live_backend': 'ik_gat_jax.inference'}
 
 
 def __getattr__(name):

@@ -198,6 +198,58 @@ def one_frame_options(options: dict | None) -> dict | None:
   return {**(options or {}), 'xla_cpu_multi_thread_eigen': False}
 
 
+_LIVE_BACKEND: dict[str, Any] = {}  # what `start_live_backend` did, once it has
+
+
+def start_live_backend() -> dict[str, Any]:
+  """Starts JAX's backends for a process that solves live frames (`IKSolver.step`) on the CPU:
+  every call runs on the calling thread, start to end. Call it first, before any JAX
+  computation (`IKSolver.from_checkpoint` included); a second call returns the first's record.
+
+  Two settings: JAX's CPU dispatch made synchronous (`jax_cpu_enable_async_dispatch` off), and
+  XLA's CPU client started with one intra-op thread. XLA sizes that pool by the cores the
+  starting thread may run on, so the backend is started on one of them and every thread's
+  cores are then given back: nothing stays pinned. Otherwise XLA hands a frame's independent
+  kernels to its pool and the caller waits on another core: 0.42-0.45 ms a frame on 2 cores,
+  against 0.23 ms this way (BENCHMARKS.md, issue N session 33). The cost is the process's
+  batched work (clips, training) on one thread: about half the frames/s on 2 cores; so it is
+  opt-in, for a process that serves live frames. The same outputs up to float32 round-off.
+  Raises RuntimeError when JAX has already started its backends."""
+  if _LIVE_BACKEND:
+    return dict(_LIVE_BACKEND)
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  if xla_bridge.backends_are_initialized():
+    raise RuntimeError('start_live_backend must run before JAX starts its backend: call it '
+                       'before the first JAX computation (before IKSolver.from_checkpoint)')
+  jax.config.update('jax_cpu_enable_async_dispatch', False)
+  pinnable = hasattr(os, 'sched_setaffinity') and os.path.isdir('/proc/self/task')
+  if not pinnable:  # no affinity to set (not Linux): synchronous dispatch only
+    jax.devices()
+    threads = None
+  else:
+    cores = os.sched_getaffinity(0)
+    before = set(os.listdir('/proc/self/task'))
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+      jax.devices()  # XLA's CPU client sizes its intra-op pool by this thread's cores: one
+    finally:
+      os.sched_setaffinity(0, cores)
+      for tid in set(os.listdir('/proc/self/task')) - before:  # started pinned: give back
+        try:
+          os.sched_setaffinity(int(tid), cores)
+        except OSError:  # a thread that has ended since
+          pass
+    threads = 1
+  _LIVE_BACKEND.update(async_dispatch=False, intra_op_threads=threads,
+                       backend=jax.default_backend())
+  return dict(_LIVE_BACKEND)
+
+
+def live_backend() -> dict[str, Any] | None:
+  """What `start_live_backend` set in this process, or None when it did not run."""
+  return dict(_LIVE_BACKEND) or None
+
+
 def flop_frames(limit: int = 64) -> int:
   """Frames to count a forward's FLOPs per frame on: at most one block (XLA's cost analysis
   counts a loop body once whatever its trip count, so a batch of several blocks would read

@@ -1242,4 +1242,5 @@ class IKSolver:
     return {'n': int(n), 'median_ms': float(np.median(ms)),
             'p99_ms': float(np.percentile(ms, 99)), 'mean_ms': float(ms.mean()),
             'frames_per_s': float(1e3 / np.median(ms)), 'backend': jax.default_backend(),
+            'live_backend': inference.live_backend() is not None,
             'temporal_filter': self.temporal_filter.describe()}

@@ -1,6 +1,9 @@
 """The shipped checkpoints: load without ../shared, refuse the wrong rig, reproduce their card."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -229,6 +232,53 @@ def test_one_frame_options_compute_the_same_numbers(cmu_shards):
   np.testing.assert_allclose(got, np.stack([np.asarray(plain(f[None])) for f in frames]),
                              atol=2e-5)
   np.testing.assert_array_equal(np.stack([solver.step(f) for f in frames]), got)
+
+
+_LIVE = r"""
+import json, os, sys
+import numpy as np
+import ik_gat_jax
+cores = sorted(os.sched_getaffinity(0))
+first = ik_gat_jax.start_live_backend()
+import jax
+from ik_gat_jax import IKSolver
+solver = IKSolver.from_checkpoint(offsets=np.load(sys.argv[2]))
+np.save(sys.argv[3], np.stack([solver.step(f) for f in np.load(sys.argv[1])]))
+print(json.dumps({'first': first, 'again': ik_gat_jax.start_live_backend(), 'cores': cores,
+                  'threads': {t: sorted(os.sched_getaffinity(int(t)))
+                              for t in os.listdir('/proc/self/task')},
+                  'async': jax.config.read('jax_cpu_enable_async_dispatch'),
+                  'stats': solver.latency_stats(n=3)['live_backend']}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, 'sched_getaffinity'), reason='Linux thread affinity')
+def test_live_backend_runs_step_on_the_calling_thread_with_the_same_numbers(cmu_shards,
+                                                                            tmp_path):
+  """`start_live_backend` in a fresh process (it must come before JAX's backend starts, so not
+  in this one, where it refuses in one line): synchronous dispatch, one intra-op thread, every
+  thread's cores given back afterwards (nothing left pinned), a second call answers the same,
+  and `step` gives the rotations this process's default backend gives up to float32 round-off
+  (bound as in the test above; a wrong frame or joint moves entries by ~1e-1)."""
+  from ik_gat_jax import IKSolver, inference
+  with pytest.raises(RuntimeError, match='before JAX starts its backend'):
+    inference.start_live_backend()
+  assert inference.live_backend() is None
+  ds = data.load_shards(cmu_shards, 'val')
+  frames = np.asarray(ds.positions, np.float32)[:20]
+  np.save(tmp_path / 'frames.npy', frames)
+  np.save(tmp_path / 'offsets.npy', np.asarray(ds.offsets[0]))
+  done = subprocess.run([sys.executable, '-c', _LIVE, str(tmp_path / 'frames.npy'),
+                         str(tmp_path / 'offsets.npy'), str(tmp_path / 'out.npy')],
+                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+  assert done.returncode == 0, done.stderr
+  got = json.loads(done.stdout.strip().splitlines()[-1])
+  assert got['first'] == got['again'] and got['first']['async_dispatch'] is False
+  assert got['first']['intra_op_threads'] == 1 and got['async'] is False and got['stats']
+  assert all(c == got['cores'] for c in got['threads'].values()), got['threads']
+  solver = IKSolver.from_checkpoint(offsets=np.asarray(ds.offsets[0]))
+  np.testing.assert_allclose(np.load(tmp_path / 'out.npy'),
+                             np.stack([solver.step(f) for f in frames]), atol=2e-5)
 
 
 def test_blocked_forward_is_the_whole_batch_forward(cmu_dir):

@@ -184,10 +184,12 @@ def test_module_main_subprocess(ckpt, clip_npz, tmp_path):
   path, _ = clip_npz
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
   cmd = [sys.executable, '-m', 'ik_gat_jax.solve', f'--input={path}',
-         f'--output={tmp_path / "walk.bvh"}', f'--checkpoint={ckpt}']
+         f'--output={tmp_path / "walk.bvh"}', f'--checkpoint={ckpt}', '--live_backend',
+         '--latency_frames=3']
   done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr
   assert 'solved 6 frames' in done.stderr
+  assert '(cpu, live backend)' in done.stderr  # --live_backend started it (latency line)
   assert bvh.read_bvh(tmp_path / 'walk.bvh').num_frames == 6
 
 
