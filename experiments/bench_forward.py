@@ -27,7 +27,8 @@ solver's clip path, its frames/s and its share of the round's matmul at the netw
 `--matmul_precision=bfloat16` runs the network's large products with bfloat16 inputs and float32
 sums (`model.set_matmul_precision`; the clip's solver too); each round then also times the 2048
 matmul done the same way, and a batch's line gives its share of that rate beside the float32
-one's.
+one's. `--live_backend` starts JAX as `ik_gat_jax.start_live_backend()` does, for what a
+process set up for live frames pays on batches and clips.
 """
 
 import concurrent.futures
@@ -70,6 +71,9 @@ _CLIP = flags.DEFINE_string('clip', None, 'A clip (BVH, or npz / csv in metres) 
                            'by IKSolver.solve each round, on --threads workers.')
 _PRECISION = flags.DEFINE_enum('matmul_precision', 'float32', ['float32', 'bfloat16'],
                                "The network's large products (model.set_matmul_precision).")
+_LIVE = flags.DEFINE_boolean('live_backend', False, 'Start JAX with '
+                             '`ik_gat_jax.start_live_backend()` first (one intra-op thread, '
+                             'synchronous dispatch): what a live process pays for batches.')
 _ROUNDS = flags.DEFINE_integer('rounds', 3, 'Times the matmul and every batch size are timed in '
                                'turn; each round\'s share is of its own matmul.', lower_bound=1)
 
@@ -80,6 +84,8 @@ def main(argv):
   if _DIMS.value and _CLIP.value:
     raise ValueError('--clip solves with the checkpoint\'s trained model; --dims times an '
                      'untrained one: give one of them')
+  if _LIVE.value:
+    inference.start_live_backend()
   model, _ = inference.load_model(_CKPT.value or inference.SHIPPED_IKGAT)
   rig = model.rig
   if _DIMS.value:
