@@ -369,10 +369,13 @@ def check_offsets(offsets, rig: Rig) -> np.ndarray:
     raise InputError(f'offsets must be [{rig.num_joints}, 3] in the joint order of rig '
                      f'{rig.name!r} ({", ".join(rig.joint_names)}); got shape {off.shape}')
   check_finite(off[None], rig, 'offsets')
-  for j, c in enumerate(rig.designated_children):
-    if c >= 0 and np.linalg.norm(off[c]) <= 1e-6:
-      raise InputError(f'offsets: bone {rig.joint_names[j]} -> {rig.joint_names[c]} has zero '
-                       'length, so its rest direction (and bone frame) is undefined')
+  children = np.asarray(rig.designated_children)  # one vectorised check: `step` runs it per call
+  short = (children >= 0) & (np.einsum('ij,ij->i', off[children], off[children]) <= 1e-12)
+  if short.any():
+    j = int(np.flatnonzero(short)[0])
+    raise InputError(f'offsets: bone {rig.joint_names[j]} -> '
+                     f'{rig.joint_names[children[j]]} has zero length, so its rest direction '
+                     '(and bone frame) is undefined')
   return off
 
 
@@ -637,6 +640,7 @@ class IKSolver:
                                 if refine_iters > 0 and refine_prior is not None else (None, None))
     self._leaves, self._treedef = jax.tree.flatten((state, prior_state))
     self._const_leaves = None  # `_host_constants(self._leaves)`, for `step`, on first use
+    self._leaves_digest = None  # `_constants_digest` of those (`_step_any`), on first use
     self._traces = [0]
     self.refine = None
     if refine_iters > 0:
@@ -1169,12 +1173,14 @@ class IKSolver:
     dispatch with `jnp.asarray` first (BENCHMARKS.md, issue N, session 16)."""
     fstate = self._filter_state or temporal.init_state(self.rig.num_joints)
     sparse = _numpy_inputs(sparse)
-    args = (self._leaves, fstate, np.asarray(pos, np.float32), subject[0], subject[1], sparse)
+    args = (fstate, np.asarray(pos, np.float32), subject[0], subject[1], sparse)
     key = None if sparse is None else tuple((k, v.shape, v.dtype.str)
                                             for k, v in sorted(sparse.items()))
     exe = self._stream_execs.get(key)
-    if exe is None:
-      exe = self._stream_execs[key] = self._compile(self._stream_step.lower(*args), True)
+    if exe is None:  # the model's state compiled in, as in `_step_any`
+      leaves, stream_step = self._compiled_in()[0], self._stream_step
+      exe = self._stream_execs[key] = self._compile(jax.jit(
+          lambda fs, p, o, b, sp: stream_step(leaves, fs, p, o, b, sp)).lower(*args), True)
     self._filter_state, out = exe(*args)
     return np.asarray(out)
 
@@ -1194,13 +1200,31 @@ class IKSolver:
 
   def _step_forward(self, pos: np.ndarray, subject, sparse=None) -> np.ndarray:
     """One frame `[1, J, 3]` (+ its sparse inputs or window history) of any subject -> local
-    `[J, 3, 3]`: the bucket-1 forward compiled ahead (`_executable`) and called directly,
-    without jit's per-call dispatch or `_run`'s padding. The frame goes in as numpy: the
-    executable's own transfer is ~70 us faster than `jnp.asarray` first
-    (experiments/latency_breakdown.py, BENCHMARKS.md "One live frame")."""
+    `[J, 3, 3]`: `_step_any`'s executable called directly, without jit's per-call dispatch or
+    `_run`'s padding. The frame goes in as numpy: the executable's own transfer is ~70 us
+    faster than `jnp.asarray` first (experiments/latency_breakdown.py, BENCHMARKS.md "One live
+    frame")."""
     off, B, _ = subject
-    args = (self._leaves, np.asarray(pos, np.float32), off, B, _numpy_inputs(sparse), None)
-    return np.asarray(self._executable(False, args)(*args)['local_rot'])[0]
+    args = (np.asarray(pos, np.float32), off, B, _numpy_inputs(sparse))
+    return np.asarray(self._step_any(args)(*args))
+
+  def _step_any(self, args: tuple):
+    """`step`'s executable for `args` = (one frame `[1, J, 3]`, offsets, B, sparse inputs or
+    None) -> local `[J, 3, 3]`: the model's state compiled in as constants, as in
+    `_default_step`, the subject and sparse inputs as arguments; once per sparse-input
+    signature. With the state as 23 more arguments the frame took 0.30 against 0.20 ms on
+    the live backend, 0.28 against 0.23 ms pinned (BENCHMARKS.md, issue N session 33)."""
+    pos, sparse = args[0], args[3]
+    if self._leaves_digest is None:
+      self._leaves_digest = _constants_digest(self._compiled_in()[0])
+    signature = ('step any subject', self._leaves_digest, pos.shape, None if sparse is None
+                 else tuple((k, v.shape, v.dtype.str) for k, v in sorted(sparse.items())))
+    exe = self._executables.get(signature)
+    if exe is not None:
+      return exe
+    leaves, forward = self._compiled_in()[0], self._forward
+    step = jax.jit(lambda p, o, b, s: forward(leaves, p, o, b, False, s)['local_rot'][0])
+    return self._compiled_for(signature, args, lambda: step.lower(*args), self._one_frame)
 
   def solve_stream(self, frames: Iterable, offsets=None) -> Iterator[np.ndarray]:
     """Per item of `frames` (`[J, 3]` or a small batch `[b, J, 3]`, b <= block_size): its local
@@ -1219,8 +1243,9 @@ class IKSolver:
 
   @property
   def trace_count(self) -> int:
-    """How many times the forward was traced (compiled): once per bucket and `full`, and once
-    for `step`'s frame of the solver's own subject."""
+    """How many times the forward was traced (compiled): once per bucket and `full`, once for
+    `step`'s frame of the solver's own subject and once per sparse-input signature of `step`'s
+    frame of any subject (`_step_any`)."""
     return self._traces[0]
 
   def latency_stats(self, n: int = 200, warmup: int = 5, frame=None) -> dict[str, float]:
