@@ -1212,8 +1212,9 @@ class IKSolver:
     """`step`'s executable for `args` = (one frame `[1, J, 3]`, offsets, B, sparse inputs or
     None) -> local `[J, 3, 3]`: the model's state compiled in as constants, as in
     `_default_step`, the subject and sparse inputs as arguments; once per sparse-input
-    signature. With the state as 23 more arguments the frame took 0.30 against 0.20 ms on
-    the live backend, 0.28 against 0.23 ms pinned (BENCHMARKS.md, issue N session 33)."""
+    signature. With the state as 23 more arguments (before) a frame took 0.54-0.57 ms
+    against 0.27 ms on the live backend, 0.34 against 0.30 ms pinned (BENCHMARKS.md, issue N
+    session 33)."""
     pos, sparse = args[0], args[3]
     if self._leaves_digest is None:
       self._leaves_digest = _constants_digest(self._compiled_in()[0])
