@@ -52,7 +52,7 @@ _PRECISION = flags.DEFINE_enum('matmul_precision', 'float32', ['float32', 'bfloa
                                'The network\'s large products (IKSolver.from_checkpoint).')
 _LIVE = flags.DEFINE_boolean('live_backend', False, 'Start JAX with '
                              '`ik_gat_jax.start_live_backend()` first: every call on the '
-                             'calling thread (README, "live stream").')
+                             'calling thread (README, "Solving your own positions").')
 _JSON = flags.DEFINE_string('json', None, 'Write the result here too.')
 
 

@@ -27,6 +27,7 @@ and restored checkpoints in `~/.cache/ik_gat_jax/params` (compile_cache.py;
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 import warnings
@@ -200,7 +201,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
     log(f'single-frame latency over {latency_frames} calls: median '
         f'{summary["latency"]["median_ms"]:.2f} ms, p99 {summary["latency"]["p99_ms"]:.2f} ms '
         f'({summary["latency"]["backend"]}'
-        f'{", live backend" if summary["latency"]["live_backend"] else ""})')
+        f'{", live backend" if summary["latency"]["live_backend"] else ""})'
+        f'{_LIVE_HINT if _live_hint(summary["latency"]) else ""}')
   log(f'solved {sol.num_frames} frames ({rig.name}, {rig.num_joints} joints) in '
       f'{summary["seconds"]:.1f} s -> {output}; |input - FK| mean '
       f'{summary["fk_error_mm_mean"]:.1f} mm, max {summary["fk_error_mm_max"]:.1f} mm'
@@ -352,7 +354,7 @@ def define_flags() -> None:
   flags.DEFINE_boolean('live_backend', False, 'Start JAX for live frames first '
                        '(ik_gat_jax.start_live_backend: every call on the calling thread; a '
                        'live frame about 2x faster on 2 unpinned cores, a clip about half as '
-                       'fast; README "live stream").')
+                       'fast; README, "Solving your own positions").')
   flags.DEFINE_enum('filter', None, ['none', 'one_euro'], 'Causal temporal filter of the '
                     'rotations (default: the checkpoint\'s, else none).')
   flags.DEFINE_float('filter_min_cutoff', None, 'One-Euro cutoff at rest (Hz).')
@@ -366,6 +368,17 @@ def define_flags() -> None:
     'axes; NaN = not given), "bvh" (a BVH input\'s End Sites; the default for a checkpoint with '
     'end sites) or "none".')
   _FLAGS_DEFINED = True
+
+
+_LIVE_HINT = ('; on several cores --live_backend (or taskset -c 0) runs a live frame about 2x '
+              'faster (README, "Solving your own positions")')
+
+
+def _live_hint(latency: dict) -> bool:
+  """Whether the latency line should point at the live backend: a CPU process on several
+  cores that did not start it (a frame's kernels then go to other threads: 2x slower)."""
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+  return latency['backend'] == 'cpu' and not latency['live_backend'] and (cores or 1) > 1
 
 
 def main(argv) -> None:
