@@ -37,7 +37,8 @@ _MAX_FRAMES = flags.DEFINE_integer(
     'max_frames', None, 'Frames every method runs on (default 64/256/1024 for smoke/quick/full; '
     '0: the whole split).')
 _ITERS = flags.DEFINE_integer('iters', None, 'Default iterative budget (per frame).')
-_BF16 = flags.DEFINE_boolean('bf16', True, 'Also run IK-GAT in bfloat16.')
+_BF16 = flags.DEFINE_boolean('bf16', True, 'Also run IK-GAT in bfloat16: the whole network, and '
+                            'only its large products (+bf16_products rows).')
 _SEED = flags.DEFINE_integer('seed', None, 'Noise seed.')
 _MIRROR = flags.DEFINE_boolean('mirror', None, 'Also IK-GAT with mirror averaging (+mirror rows; '
                                'default: on, off in --smoke).')

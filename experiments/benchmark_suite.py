@@ -2,7 +2,8 @@
 
 `run_suite(data_dir, output_dir, config)` runs, in one process, on one split (default 'test'):
  1. accuracy of every method (`evaluation.evaluate`, the one metrics module) on the same frames:
-    each IK-GAT size found (float32, and bfloat16 when `bf16`), iterative IK with the prior
+    each IK-GAT size found (float32, and when `bf16` the whole network in bfloat16 and only its
+    large products in bfloat16, `+bf16_products`), iterative IK with the prior
     (cold analytic root, cold identity root, warm start), iterative IK without a prior, the
     swing-only and mean-pose floors; rows per test part, per-subject and per-file (activity)
     tables; the fast methods (IK-GAT, floors) also on the whole split;
@@ -64,8 +65,8 @@ atomically; `markdown_report` and `write_plots` rebuild them from benchmark.json
   pareto [{name, family, iters?, local_rot_err_deg, mpjpe_mm, ms_per_frame, frames_per_s, batch}],
   noise {method: [{noise_mm, local_rot_err_deg, root_rot_err_deg, ..., mpjpe_mm}]},
   init_robustness {family: {init: {local_rot_err_deg, root_rot_err_deg, mpjpe_mm, frames}}},
-  bf16 {ikgat method: {local_rot_err_deg_f32, ..._bf16, local_rot_err_change_deg,
-    mpjpe_change_mm, speedup_batch1, speedup_best}},
+  bf16 {ikgat method: {bfloat16 ('whole network' | 'large products'), local_rot_err_deg_f32,
+    ..._bf16, local_rot_err_change_deg, mpjpe_change_mm, speedup_batch1, speedup_best}},
   ratios {pairs {'ikgat_x/iterative': {batch1, same_batch, same_batch_size, batched_best,
     flops_ratio, ikgat_flops_per_frame, iterative_flops_per_frame, iterative_iters}},
     ikgat_left_of_iterative}, provenance, seconds, files.
@@ -385,6 +386,10 @@ def add_ikgat(ctx: Context, found: Found) -> None:
       name = f'ikgat_{size}' + ('_bf16' if dtype == 'bfloat16' else '')
       _add(ctx, name, 'ikgat' if dtype == 'float32' else 'ikgat_bf16',
            lambda p=path, d=dtype: evaluation.ikgat_method(p, ctx.rig, ctx.config.chunk, d))
+    if ctx.config.bf16:  # only the large products in bfloat16 (`--matmul_precision=bfloat16`)
+      _add(ctx, f'ikgat_{size}{BF16_PRODUCTS}', 'ikgat_bf16',
+           lambda p=path: evaluation.ikgat_method(p, ctx.rig, ctx.config.chunk,
+                                                  matmul_precision='bfloat16'))
     for n in ctx.config.refine_iters:  # same family as IK-GAT: a point on the Pareto plot
       refine = iterative_ik.refine_config(n)
       _add(ctx, f'ikgat_{size}+refine{n}', 'ikgat',
@@ -679,21 +684,33 @@ def block_sweep(ctx: Context, name: str) -> dict:
           'blocked': blocked}
 
 
+BF16_PRODUCTS = '+bf16_products'  # the method-name suffix of IK-GAT with bfloat16 products
+
+
 def bf16_section(accuracy: dict, speed: dict) -> dict[str, dict]:
-  """bfloat16 IK-GAT against float32: accuracy change and speed-up, per size."""
+  """bfloat16 IK-GAT against float32, per size: the whole network in bfloat16 (`<name>_bf16`,
+  keyed by the float32 name) and only its large products (`<name>+bf16_products`, keyed by
+  that name): accuracy change and speed-up."""
   out = {}
   for name in accuracy:
-    if not name.endswith('_bf16') or name[:-5] not in accuracy:
+    if name.endswith('_bf16'):
+      f32_name, key, part = name[:-5], name[:-5], 'whole network'
+    elif name.endswith(BF16_PRODUCTS):
+      f32_name, key, part = name[:-len(BF16_PRODUCTS)], name, 'large products'
+    else:
       continue
-    f32, bf = accuracy[name[:-5]], accuracy[name]
-    out[name[:-5]] = {
+    if f32_name not in accuracy:
+      continue
+    f32, bf = accuracy[f32_name], accuracy[name]
+    out[key] = {
+        'bfloat16': part,
         'local_rot_err_deg_f32': f32['local_rot_err_deg'],
         'local_rot_err_deg_bf16': bf['local_rot_err_deg'],
         'local_rot_err_change_deg': bf['local_rot_err_deg'] - f32['local_rot_err_deg'],
         'mpjpe_change_mm': bf['mpjpe_mm'] - f32['mpjpe_mm'],
         'speedup_batch1': (speed[name]['latency']['frames_per_s'] /
-                           speed[name[:-5]]['latency']['frames_per_s']),
-        'speedup_best': speed[name]['best_frames_per_s'] / speed[name[:-5]]['best_frames_per_s']}
+                           speed[f32_name]['latency']['frames_per_s']),
+        'speedup_best': speed[name]['best_frames_per_s'] / speed[f32_name]['best_frames_per_s']}
   return out
 
 
@@ -954,12 +971,14 @@ def _sweep_md(r: dict) -> str:
 def _bf16_md(r: dict) -> str:
   if not r['bf16']:
     return ''
-  rows = [[n, _f(v['local_rot_err_deg_f32']), _f(v['local_rot_err_deg_bf16']),
+  rows = [[n, v.get('bfloat16', 'whole network'), _f(v['local_rot_err_deg_f32']),
+           _f(v['local_rot_err_deg_bf16']),
            _f(v['local_rot_err_change_deg'], '+.3f'), _f(v['mpjpe_change_mm'], '+.3f'),
            _f(v['speedup_batch1'], '.2f'), _f(v['speedup_best'], '.2f')]
           for n, v in r['bf16'].items()]
   return ('## IK-GAT in bfloat16 against float32\n\n'
-          + markdown_grid(['model', 'local f32 (deg)', 'local bf16 (deg)', 'change (deg)',
+          + markdown_grid(['model', 'bfloat16 in', 'local f32 (deg)', 'local bf16 (deg)',
+                           'change (deg)',
                     'MPJPE change (mm)', 'speed-up batch 1', 'speed-up best'], rows))
 
 

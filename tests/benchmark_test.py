@@ -68,7 +68,8 @@ def test_discovery_names_sizes_and_finds_the_prior(checkpoints_dir, tiny_prior_r
 def test_smoke_json_has_every_section_and_method(smoke):
   r, _, _ = smoke
   assert r['mode'] == 'smoke' and not r['skipped']
-  methods = {'ikgat_tiny', 'ikgat_tiny_bf16', 'iterative', 'iterative_identity_root',
+  methods = {'ikgat_tiny', 'ikgat_tiny_bf16', 'ikgat_tiny+bf16_products', 'iterative',
+             'iterative_identity_root',
              'iterative_fit_translation', 'iterative_noprior', 'swing', 'mean_pose'}
   assert set(r['accuracy']) == methods
   for res in r['accuracy'].values():
@@ -89,7 +90,8 @@ def test_smoke_json_has_every_section_and_method(smoke):
                             'iterative_fit_translation'}
   assert set(r['init_robustness']['iterative']) == {'analytic_root', 'identity_root',
                                                      'analytic_root_yaw90'}
-  assert set(r['bf16']) == {'ikgat_tiny'}
+  assert set(r['bf16']) == {'ikgat_tiny', 'ikgat_tiny+bf16_products'}
+  assert r['bf16']['ikgat_tiny+bf16_products']['bfloat16'] == 'large products'
   assert set(r['ratios']['pairs']) >= {'ikgat_tiny/iterative'}
   assert r['provenance']['jax_version'] == jax.__version__
 
@@ -145,8 +147,8 @@ def test_missing_prior_skips_only_the_prior_solver(cmu_shards, tiny_ikgat_run, m
   ctx = benchmark.build_context(cmu_shards, found, benchmark.preset('smoke', split='val'),
                                 lines.append)
   assert 'iterative' in ctx.skipped and any('skipping iterative' in s for s in lines)
-  assert set(ctx.methods) == {'ikgat_tiny', 'ikgat_tiny_bf16', 'iterative_noprior', 'swing',
-                              'mean_pose'}
+  assert set(ctx.methods) == {'ikgat_tiny', 'ikgat_tiny_bf16', 'ikgat_tiny+bf16_products',
+                              'iterative_noprior', 'swing', 'mean_pose'}
   assert list(ctx.families) == ['iterative_noprior']
 
 
