@@ -210,8 +210,8 @@ def start_live_backend() -> dict[str, Any]:
   XLA's CPU client started with one intra-op thread. XLA sizes that pool by the cores the
   starting thread may run on, so the backend is started on one of them and every thread's
   cores are then given back: nothing stays pinned. Otherwise XLA hands a frame's independent
-  kernels to its pool and the caller waits on another core: 0.42-0.45 ms a frame on 2 cores,
-  against 0.23 ms this way (BENCHMARKS.md, issue N session 33). The cost is the process's
+  kernels to its pool and the caller waits on another core: 0.41 ms a frame on 2 unpinned
+  cores, against 0.22 ms this way (BENCHMARKS.md, issue N session 33). The cost is the process's
   batched work (clips, training) on one thread: about half the frames/s on 2 cores; so it is
   opt-in, for a process that serves live frames. The same outputs up to float32 round-off.
   Raises RuntimeError when JAX has already started its backends."""
