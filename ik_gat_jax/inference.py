@@ -211,9 +211,12 @@ def start_live_backend() -> dict[str, Any]:
   starting thread may run on, so the backend is started on one of them and every thread's
   cores are then given back: nothing stays pinned. Otherwise XLA hands a frame's independent
   kernels to its pool and the caller waits on another core: 0.41 ms a frame on 2 unpinned
-  cores, against 0.22 ms this way (BENCHMARKS.md, issue N session 33). The cost is the process's
-  batched work (clips, training) on one thread: about half the frames/s on 2 cores; so it is
-  opt-in, for a process that serves live frames. The same outputs up to float32 round-off.
+  cores, against 0.22 ms this way (BENCHMARKS.md, issue N session 33). The cost: work not split
+  over threads runs on one core. `IKSolver.solve` still runs a clip's chunks on its `workers`
+  threads at once (as device arrays: `IKSolver._chunk_job`), as fast as in a default process
+  with the dense attention form, but about half as fast with `attention='auto'`, and so is one
+  large batch (training); so it is opt-in, for a process that serves live frames. The same
+  outputs up to float32 round-off.
   Raises RuntimeError when JAX has already started its backends."""
   if _LIVE_BACKEND:
     return dict(_LIVE_BACKEND)

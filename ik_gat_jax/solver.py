@@ -917,6 +917,10 @@ class IKSolver:
     mb = inference.micro_batch_size()
     num_valid = np.int32(n) if mb and b > mb else None
     args = (self._leaves, np.asarray(pos, np.float32), off, B, sparse, num_valid)
+    if self.workers > 1 and inference.live_backend() is not None:
+      # Synchronous dispatch runs a call taking numpy arguments one at a time across threads;
+      # with device arrays the workers' chunks run at once (BENCHMARKS.md, N session 33).
+      args = args[:1] + tuple(jax.device_put(args[1:]))
     return self._executable(full, args), args, n
 
   def _executable(self, full: bool, args: tuple):

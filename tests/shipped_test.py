@@ -242,8 +242,10 @@ cores = sorted(os.sched_getaffinity(0))
 first = ik_gat_jax.start_live_backend()
 import jax
 from ik_gat_jax import IKSolver
-solver = IKSolver.from_checkpoint(offsets=np.load(sys.argv[2]))
-np.save(sys.argv[3], np.stack([solver.step(f) for f in np.load(sys.argv[1])]))
+solver = IKSolver.from_checkpoint(offsets=np.load(sys.argv[2]), workers=2)
+frames = np.load(sys.argv[1])
+np.save(sys.argv[3], np.stack([solver.step(f) for f in frames]))
+np.save(sys.argv[4], solver.solve(np.tile(frames, (4, 1, 1))))  # two workers' chunks
 print(json.dumps({'first': first, 'again': ik_gat_jax.start_live_backend(), 'cores': cores,
                   'threads': {t: sorted(os.sched_getaffinity(int(t)))
                               for t in os.listdir('/proc/self/task')},
@@ -258,8 +260,9 @@ def test_live_backend_runs_step_on_the_calling_thread_with_the_same_numbers(cmu_
   """`start_live_backend` in a fresh process (it must come before JAX's backend starts, so not
   in this one, where it refuses in one line): synchronous dispatch, one intra-op thread, every
   thread's cores given back afterwards (nothing left pinned), a second call answers the same,
-  and `step` gives the rotations this process's default backend gives up to float32 round-off
-  (bound as in the test above; a wrong frame or joint moves entries by ~1e-1)."""
+  and `step` and a clip on two workers (chunks as device arrays there) give the rotations this
+  process's default backend gives up to float32 round-off (bound as in the test above; a wrong
+  frame or joint moves entries by ~1e-1)."""
   from ik_gat_jax import IKSolver, inference
   with pytest.raises(RuntimeError, match='before JAX starts its backend'):
     inference.start_live_backend()
@@ -269,16 +272,19 @@ def test_live_backend_runs_step_on_the_calling_thread_with_the_same_numbers(cmu_
   np.save(tmp_path / 'frames.npy', frames)
   np.save(tmp_path / 'offsets.npy', np.asarray(ds.offsets[0]))
   done = subprocess.run([sys.executable, '-c', _LIVE, str(tmp_path / 'frames.npy'),
-                         str(tmp_path / 'offsets.npy'), str(tmp_path / 'out.npy')],
+                         str(tmp_path / 'offsets.npy'), str(tmp_path / 'out.npy'),
+                         str(tmp_path / 'clip.npy')],
                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
   assert done.returncode == 0, done.stderr
   got = json.loads(done.stdout.strip().splitlines()[-1])
   assert got['first'] == got['again'] and got['first']['async_dispatch'] is False
   assert got['first']['intra_op_threads'] == 1 and got['async'] is False and got['stats']
   assert all(c == got['cores'] for c in got['threads'].values()), got['threads']
-  solver = IKSolver.from_checkpoint(offsets=np.asarray(ds.offsets[0]))
+  solver = IKSolver.from_checkpoint(offsets=np.asarray(ds.offsets[0]), workers=2)
   np.testing.assert_allclose(np.load(tmp_path / 'out.npy'),
                              np.stack([solver.step(f) for f in frames]), atol=2e-5)
+  np.testing.assert_allclose(np.load(tmp_path / 'clip.npy'),  # a clip: device-array chunks
+                             solver.solve(np.tile(frames, (4, 1, 1))), atol=2e-5)
 
 
 def test_blocked_forward_is_the_whole_batch_forward(cmu_dir):
