@@ -1226,12 +1226,14 @@ class IKSolver:
       self._leaves_digest = _constants_digest(self._compiled_in()[0])
     signature = ('step any subject', self._leaves_digest, pos.shape, None if sparse is None
                  else tuple((k, v.shape, v.dtype.str) for k, v in sorted(sparse.items())))
-    exe = self._executables.get(signature)
-    if exe is not None:
-      return exe
-    leaves, forward = self._compiled_in()[0], self._forward
-    step = jax.jit(lambda p, o, b, s: forward(leaves, p, o, b, False, s)['local_rot'][0])
-    return self._compiled_for(signature, args, lambda: step.lower(*args), self._one_frame)
+    forward = self._forward
+
+    def lower():  # on a miss only (`_compiled_for`)
+      leaves = self._compiled_in()[0]
+      return jax.jit(lambda p, o, b, s: forward(leaves, p, o, b, False, s)['local_rot'][0]
+                     ).lower(*args)
+
+    return self._compiled_for(signature, args, lower, self._one_frame)
 
   def solve_stream(self, frames: Iterable, offsets=None) -> Iterator[np.ndarray]:
     """Per item of `frames` (`[J, 3]` or a small batch `[b, J, 3]`, b <= block_size): its local

@@ -91,7 +91,13 @@ def test_smoke_json_has_every_section_and_method(smoke):
   assert set(r['init_robustness']['iterative']) == {'analytic_root', 'identity_root',
                                                      'analytic_root_yaw90'}
   assert set(r['bf16']) == {'ikgat_tiny', 'ikgat_tiny+bf16_products'}
-  assert r['bf16']['ikgat_tiny+bf16_products']['bfloat16'] == 'large products'
+  products = r['bf16']['ikgat_tiny+bf16_products']
+  assert products['bfloat16'] == 'large products'
+  # bfloat16 inputs with float32 sums move the rotations by a rounding of the inputs (the
+  # shipped base: +0.001 deg, BENCHMARKS.md; this tiny model: about 0.001 here); a product on
+  # wrong rows moves the error by degrees, so 0.5 leaves a wide margin. Not exactly 0: the
+  # rounding was applied (float32 products in its place would give the same error).
+  assert 0 < abs(products['local_rot_err_change_deg']) < 0.5, products
   assert set(r['ratios']['pairs']) >= {'ikgat_tiny/iterative'}
   assert r['provenance']['jax_version'] == jax.__version__
 
