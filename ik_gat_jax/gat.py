@@ -221,6 +221,13 @@ class GraphAttention(nnx.Module):
     return jnp.stack(out, axis=-3).reshape(*h.shape[:-1], H * C)
 
 
+def form_of(model) -> str | None:
+  """The `form` of `model`'s graph attention layers ('dense', 'sparse' or 'auto'; several
+  joined by '+' where layers differ), None for a model without any."""
+  forms = {m.form for _, m in nnx.iter_graph(model) if isinstance(m, GraphAttention)}
+  return '+'.join(sorted(forms)) or None
+
+
 def set_form(model, form: str) -> None:
   """Sets `form` ('dense', 'sparse', 'auto') on every GraphAttention of `model` (in place; the
   same function, a different evaluation; before jitting)."""

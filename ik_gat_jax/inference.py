@@ -214,9 +214,10 @@ def start_live_backend() -> dict[str, Any]:
   cores, against 0.22 ms this way (BENCHMARKS.md, issue N session 33). The cost: work not split
   over threads runs on one core. `IKSolver.solve` still runs a clip's chunks on its `workers`
   threads at once (as device arrays: `IKSolver._chunk_job`), as fast as in a default process
-  with the dense attention form, but about half as fast with `attention='auto'`, and so is one
-  large batch (training); so it is opt-in, for a process that serves live frames. The same
-  outputs up to float32 round-off.
+  with the dense attention form (which `IKSolver.from_checkpoint` then takes for
+  `attention='auto'` with several workers: the sparse form's chunks would take turns on the one
+  pool thread), but one large batch (training) runs about half as fast; so it is opt-in, for a
+  process that serves live frames. The same outputs up to float32 round-off.
   Raises RuntimeError when JAX has already started its backends."""
   if _LIVE_BACKEND:
     return dict(_LIVE_BACKEND)

@@ -353,8 +353,8 @@ def define_flags() -> None:
                        'over this many streamed frames.')
   flags.DEFINE_boolean('live_backend', False, 'Start JAX for live frames first '
                        '(ik_gat_jax.start_live_backend: every call on the calling thread; a '
-                       'live frame about 2x faster on 2 unpinned cores; a clip as fast with the '
-                       'default attention, about half as fast with --attention=auto; README, '
+                       'live frame about 2x faster on 2 unpinned cores; a clip as fast in the '
+                       'dense attention form, which --attention=auto then takes; README, '
                        '"Solving your own positions").')
   flags.DEFINE_enum('filter', None, ['none', 'one_euro'], 'Causal temporal filter of the '
                     'rotations (default: the checkpoint\'s, else none).')

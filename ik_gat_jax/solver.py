@@ -613,6 +613,7 @@ class IKSolver:
                fps: float = 30.0, refine_prior=None, mirror: bool = False,
                workers: int | None = None):
     self.rig: Rig = model.rig
+    self.attention = gat.form_of(model)  # how the forward evaluates the graph attention
     self.mirror = bool(mirror)
     if self.mirror:  # a rig that cannot be mirrored: refused here, not at the first solve
       try:
@@ -751,7 +752,8 @@ class IKSolver:
     same function): 'dense', or 'auto', the sparse form from `gat.SPARSE_FROM` (4) frames on:
     1.3x the clip path's frames/s once compiled, for a compile 1.3x as long and more tracing,
     so a program that solves many clips gains and a one-clip run does not (BENCHMARKS.md
-    "Blocks").
+    "Blocks"); in a process started with `inference.start_live_backend` and with several
+    `workers`, 'auto' is 'dense', the faster form there (the solver's `attention` says which).
     `workers`: threads that solve a clip's chunks at once (None: `default_workers()`, the
     usable CPU cores up to MAX_WORKERS, 1 on accelerators; the outputs do not depend on it).
     `matmul_precision`: 'float32', or 'bfloat16' for the network's large products (bfloat16
@@ -771,6 +773,12 @@ class IKSolver:
       expected_rig = get_rig(expected_rig)
     path = inference.resolve_checkpoint(path)  # a shipped name -> its directory (the source)
     model, meta = inference.load_model(path, expected_rig=expected_rig)
+    if (attention == 'auto' and inference.live_backend() is not None
+        and (default_workers() if workers is None else workers) != 1):
+      # In a live process the sparse form's chunks all run on XLA's one pool thread, so
+      # several workers' chunks take turns; the dense ones run on the workers' own threads
+      # (1.7x the clip's frames/s on 2 cores; BENCHMARKS.md, issue N session 34).
+      attention = 'dense'
     gat.set_form(model, attention)  # static: before the forward is built
     try:
       model_lib.set_matmul_precision(model, matmul_precision)

@@ -146,7 +146,11 @@ def test_set_form_switches_every_layer_and_refuses_an_unknown_form():
   layers = [m for _, m in nnx.iter_graph(net) if isinstance(m, gat.GraphAttention)]
   assert layers and {m.form for m in layers} == {'dense'}
   gat.set_form(net, 'auto')
-  assert {m.form for m in layers} == {'auto'}
+  assert {m.form for m in layers} == {'auto'} and gat.form_of(net) == 'auto'
+  layers[0].form = 'sparse'
+  assert gat.form_of(net) == 'auto+sparse'
+  assert gat.form_of(model.create_model(model.ModelConfig(size='tiny', arch='mlp'), RIG,
+                                        nnx.Rngs(0))) is None
   with pytest.raises(ValueError, match="form must be 'dense', 'sparse' or 'auto', got 'fast'"):
     gat.set_form(net, 'fast')
 

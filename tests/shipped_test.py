@@ -247,7 +247,9 @@ solver = IKSolver.from_checkpoint(offsets=np.load(sys.argv[2]), workers=2)
 frames = np.load(sys.argv[1])
 np.save(sys.argv[3], np.stack([solver.step(f) for f in frames]))
 np.save(sys.argv[4], solver.solve(np.tile(frames, (4, 1, 1))))  # two workers' chunks
-print(json.dumps({'first': first, 'again': ik_gat_jax.start_live_backend(), 'cores': cores,
+forms = [IKSolver.from_checkpoint(attention='auto', workers=w).attention for w in (2, 1)]
+print(json.dumps({'first': first, 'forms': forms,
+                  'again': ik_gat_jax.start_live_backend(), 'cores': cores,
                   'threads': {t: sorted(os.sched_getaffinity(int(t)))
                               for t in os.listdir('/proc/self/task')},
                   'async': jax.config.read('jax_cpu_enable_async_dispatch'),
@@ -261,9 +263,10 @@ def test_live_backend_runs_step_on_the_calling_thread_with_the_same_numbers(cmu_
   """`start_live_backend` in a fresh process (it must come before JAX's backend starts, so not
   in this one, where it refuses in one line): synchronous dispatch, one intra-op thread, every
   thread's cores given back afterwards (nothing left pinned), a second call answers the same,
-  and `step` and a clip on two workers (chunks as device arrays there) give the rotations this
-  process's default backend gives up to float32 round-off (bound as in the test above; a wrong
-  frame or joint moves entries by ~1e-1)."""
+  `attention='auto'` with several workers takes the dense form there, and `step` and a clip
+  on two workers (chunks as device arrays there) give the rotations this process's default
+  backend gives up to float32 round-off (bound as in the test above; a wrong frame or joint
+  moves entries by ~1e-1)."""
   from ik_gat_jax import IKSolver, inference
   with pytest.raises(RuntimeError, match='before JAX starts its backend'):
     inference.start_live_backend()
@@ -281,6 +284,10 @@ def test_live_backend_runs_step_on_the_calling_thread_with_the_same_numbers(cmu_
   assert got['first'] == got['again'] and got['first']['async_dispatch'] is False
   assert got['first']['intra_op_threads'] == 1 and got['async'] is False and got['stats']
   assert all(c == got['cores'] for c in got['threads'].values()), got['threads']
+  # 'auto' with two workers is dense there (its sparse chunks took turns on the one pool
+  # thread), with one it stays 'auto'; a default process keeps 'auto' with two.
+  assert got['forms'] == ['dense', 'auto']
+  assert IKSolver.from_checkpoint(attention='auto', workers=2).attention == 'auto'
   solver = IKSolver.from_checkpoint(offsets=np.asarray(ds.offsets[0]), workers=2)
   np.testing.assert_allclose(np.load(tmp_path / 'out.npy'),
                              np.stack([solver.step(f) for f in frames]), atol=2e-5)
