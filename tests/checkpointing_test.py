@@ -10,6 +10,8 @@ trained run (`tiny_ikgat_run`, real CMU shards; copied so the fixture stays inta
 import json
 import os
 import shutil
+import sys
+import types
 from pathlib import Path
 
 import jax
@@ -96,6 +98,18 @@ def test_small_truncated_array_file(small_ckpt):
         checkpointing.abstract_like(_small_tree()))
   msg = _assert_refused(e, small_ckpt)
   assert 'cannot restore checkpoint' in msg and 'truncated' in msg
+  # reads that finish after the settle hit orbax's closed loop: the hook drops those from now on
+  assert getattr(sys.unraisablehook, 'closed_loop_filter', False)
+
+
+def test_closed_loop_filter_drops_only_the_closed_loop_error():
+  seen = []
+  hook = checkpointing._closed_loop_filter(seen.append)  # pylint: disable=protected-access
+  late, other = (types.SimpleNamespace(exc_value=RuntimeError(m), object=None)
+                 for m in ('Event loop is closed', 'something else'))
+  hook(late)
+  hook(other)
+  assert seen == [other]
 
 
 @pytest.mark.parametrize('wanted, expect', [
