@@ -28,7 +28,11 @@ solver's clip path, its frames/s and its share of the round's matmul at the netw
 sums (`model.set_matmul_precision`; the clip's solver too); each round then also times the 2048
 matmul done the same way, and a batch's line gives its share of that rate beside the float32
 one's. `--live_backend` starts JAX as `ik_gat_jax.start_live_backend()` does, for what a
-process set up for live frames pays on batches and clips.
+process set up for live frames pays on batches and clips. `--pin_threads` pins each of the
+`--threads` threads of a batch to a core of its own (of the cores this process may use, which
+must be at least as many): unpinned, two threads on the 2-core AMD EPYC of session 34 sat in a
+slow state (60% of the matmul instead of 77-80%) for whole runs, pinned in none (BENCHMARKS.md,
+issue N session 34). The clip's solver stays unpinned, as a program runs it.
 """
 
 import concurrent.futures
@@ -40,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, pinning_initializer
 from experiments import benchmark_suite
 from flax import nnx
 
@@ -74,6 +78,8 @@ _PRECISION = flags.DEFINE_enum('matmul_precision', 'float32', ['float32', 'bfloa
 _LIVE = flags.DEFINE_boolean('live_backend', False, 'Start JAX with '
                              '`ik_gat_jax.start_live_backend()` first (one intra-op thread, '
                              'synchronous dispatch): what a live process pays for batches.')
+_PIN = flags.DEFINE_boolean('pin_threads', False, 'Pin each of the --threads threads of a batch '
+                            'to a core of its own (the process\'s cores, at least --threads).')
 _ROUNDS = flags.DEFINE_integer('rounds', 3, 'Times the matmul and every batch size are timed in '
                                'turn; each round\'s share is of its own matmul.', lower_bound=1)
 
@@ -98,7 +104,8 @@ def main(argv):
   jitted = {mb: jax.jit(lambda p, mb=mb: inference.ikgat_infer(
       model, {'positions': p, 'bone_frames': B}, micro_batch=mb), compiler_options=options)
             for mb in micro}
-  pool = concurrent.futures.ThreadPoolExecutor(_THREADS.value)
+  pool = concurrent.futures.ThreadPoolExecutor(
+      _THREADS.value, initializer=pinning_initializer(_THREADS.value) if _PIN.value else None)
 
   def forward(parts, mb):  # one part: a plain call; several: at once, one thread each
     f = jitted[mb]
@@ -113,7 +120,7 @@ def main(argv):
         f'{jax.default_backend()}, {len(jax.devices())} device(s), attention on '
         f'{_ATTENTION.value}, {_PRECISION.value} products, blocks of '
         f'{inference.micro_batch_size() if _MICRO.value is None else ",".join(_MICRO.value)}, '
-        f'{_THREADS.value} thread(s) per batch')
+        f'{_THREADS.value} thread(s) per batch' + (', pinned' if _PIN.value else ''))
   cost = whole.lower(jnp.zeros((1, rig.num_joints, 3), jnp.float32)).compile().cost_analysis()
   flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost)['flops'])
   batches = [int(x) for x in _BATCHES.value]

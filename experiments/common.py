@@ -1,7 +1,11 @@
-"""Shared helpers of the command-line mains: one-line errors for bad input."""
+"""Shared helpers of the command-line mains: one-line errors for bad input; threads pinned to
+cores for a benchmark."""
 
 import functools
+import itertools
+import os
 import sys
+import threading
 
 from absl import flags, logging
 
@@ -27,3 +31,22 @@ def fail_on_user_error(main):
       sys.exit(2)
 
   return wrapped
+
+
+def pinning_initializer(threads: int):
+  """A thread pool initializer that pins each of its `threads` threads to a core of its own (the
+  cores this process may use, in order). ValueError where there are fewer cores than threads."""
+  if not hasattr(os, 'sched_setaffinity'):
+    raise ValueError('pinning threads needs os.sched_setaffinity (Linux)')
+  cores = sorted(os.sched_getaffinity(0))
+  if len(cores) < threads:
+    raise ValueError(f'cannot pin {threads} threads to a core each: this process may use '
+                     f'{len(cores)} core(s)')
+  started, lock = itertools.count(), threading.Lock()
+
+  def init():
+    with lock:
+      i = next(started)
+    os.sched_setaffinity(0, {cores[i % threads]})
+
+  return init

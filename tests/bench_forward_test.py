@@ -5,12 +5,16 @@ solver's clip path each round; the summary's share must be the median of the rou
 (each of its round's matmul), not a rate over one early matmul.
 """
 
+import concurrent.futures
+import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ROUND = re.compile(r'^round (\d+): batch +(\d+): .* ([\d,]+) frames/s .*, ([\d.]+)% of the matmul')
@@ -61,18 +65,20 @@ def test_rounds_interleave_matmul_and_network_and_summarise_per_round_shares(cmu
 
 def test_dims_and_several_block_sizes_and_bad_specs():
   """`--dims=WIDTHxBLOCKS` builds the checkpoint's config at that size (its parameter count and
-  XLA's FLOPs shrink with it); `--micro_batch=1,0` times both block sizes in every round; a
+  XLA's FLOPs shrink with it); `--micro_batch=1,0` times both block sizes in every round
+  (`--pin_threads` said in the header); a
   malformed spec of either is a one-line error, exit status 2. In a
   subprocess: importing a main would define its flags in this process."""
   from ik_gat_jax import inference, model
   base, _ = inference.load_model(inference.SHIPPED_IKGAT)
   cmd = [sys.executable, '-m', 'experiments.bench_forward', '--batches=2', '--calls=20',
-         '--rounds=2', '--nomatmul', '--micro_batch=1,0', '--dims=192x2']
+         '--rounds=2', '--pin_threads', '--nomatmul', '--micro_batch=1,0', '--dims=192x2']
   done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   m = re.search(r'width 192, 2 blocks, ([\d,]+) parameters', done.stdout)
   assert m, done.stdout
   assert int(m[1].replace(',', '')) < model.param_count(base) / 3, done.stdout
+  assert '1 thread(s) per batch, pinned' in done.stdout, done.stdout
   flops = float(re.search(r'([\d.]+) MFLOP/frame', done.stdout)[1])
   assert 0 < flops < 5.0, done.stdout  # the base computes 15.9
   # Several block sizes: each timed in every round and summarised, labelled.
@@ -86,3 +92,25 @@ def test_dims_and_several_block_sizes_and_bad_specs():
   bad = subprocess.run(cmd[:-2] + ['--micro_batch=32,32'], cwd=REPO, capture_output=True,
                        text=True, timeout=300)
   assert bad.returncode == 2 and 'distinct block sizes' in bad.stderr, bad.stderr[-2000:]
+
+
+@pytest.mark.skipif(not hasattr(os, 'sched_setaffinity'), reason='Linux thread affinity')
+def test_pinning_initializer_gives_each_thread_a_core_of_its_own():
+  """`--pin_threads`' initializer: each pool thread on one core of the process's, no two on the
+  same; more threads than cores is a one-line error. The calling thread stays unpinned."""
+  from experiments.common import pinning_initializer
+  cores = sorted(os.sched_getaffinity(0))
+  n = len(cores)
+  with concurrent.futures.ThreadPoolExecutor(n, initializer=pinning_initializer(n)) as pool:
+    barrier = threading.Barrier(n)  # every thread of the pool runs one of the calls
+
+    def affinity(_):
+      barrier.wait(timeout=30)
+      return sorted(os.sched_getaffinity(0))
+
+    got = list(pool.map(affinity, range(n)))
+  assert sorted(got) == [[c] for c in cores]
+  assert sorted(os.sched_getaffinity(0)) == cores
+  with pytest.raises(ValueError, match=f'cannot pin {n + 1} threads to a core each: this '
+                     f'process may use {n} core'):
+    pinning_initializer(n + 1)
