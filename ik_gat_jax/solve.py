@@ -353,7 +353,7 @@ def define_flags() -> None:
                        'over this many streamed frames.')
   flags.DEFINE_boolean('live_backend', False, 'Start JAX for live frames first '
                        '(ik_gat_jax.start_live_backend: every call on the calling thread; a '
-                       'live frame about 2x faster on 2 unpinned cores; a clip as fast in the '
+                       'live frame 1.3-2.4x faster on 2 unpinned cores; a clip as fast in the '
                        'dense attention form, which --attention=auto then takes; README, '
                        '"Solving your own positions").')
   flags.DEFINE_enum('filter', None, ['none', 'one_euro'], 'Causal temporal filter of the '
@@ -371,13 +371,13 @@ def define_flags() -> None:
   _FLAGS_DEFINED = True
 
 
-_LIVE_HINT = ('; on several cores --live_backend (or taskset -c 0) runs a live frame about 2x '
-              'faster (README, "Solving your own positions")')
+_LIVE_HINT = ('; on several cores --live_backend (or taskset -c 0) runs a live frame faster '
+              '(1.3-2.4x on 2 cores; README, "Solving your own positions")')
 
 
 def _live_hint(latency: dict) -> bool:
   """Whether the latency line should point at the live backend: a CPU process on several
-  cores that did not start it (a frame's kernels then go to other threads: 2x slower)."""
+  cores that did not start it (a frame's kernels then go to other threads: 1.3-2.4x slower)."""
   cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
   return latency['backend'] == 'cpu' and not latency['live_backend'] and (cores or 1) > 1
 

@@ -1161,7 +1161,8 @@ class IKSolver:
     `orientation_mask`, `end_sites`: sparse inputs of this frame (`[J]`, `[J, 3, 3]`, `[E, 3]`;
     module docstring). On a CPU with several cores, a process that serves live frames starts
     JAX with `ik_gat_jax.start_live_backend()` first: a frame then runs on the calling thread,
-    about 2x faster (`inference.start_live_backend`).
+    1.4-1.9x faster on two cores (`inference.start_live_backend`; BENCHMARKS.md, issue N
+    sessions 33-34).
     """
     pos, _ = check_positions(frame, self.rig, allow_missing=self.supports_masks)
     if pos.shape[0] != 1:
