@@ -27,7 +27,6 @@ and restored checkpoints in `~/.cache/ik_gat_jax/params` (compile_cache.py;
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import time
 import warnings
@@ -378,8 +377,8 @@ _LIVE_HINT = ('; on several cores --live_backend (or taskset -c 0) runs a live f
 def _live_hint(latency: dict) -> bool:
   """Whether the latency line should point at the live backend: a CPU process on several
   cores that did not start it (a frame's kernels then go to other threads: 1.3-2.4x slower)."""
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
-  return latency['backend'] == 'cpu' and not latency['live_backend'] and (cores or 1) > 1
+  return (latency['backend'] == 'cpu' and not latency['live_backend']
+          and solver_lib.default_workers() > 1)  # the usable cores, 1 under taskset -c 0
 
 
 def main(argv) -> None:
