@@ -350,11 +350,12 @@ def define_flags() -> None:
                        'network\'s work; 0.2 deg lower error on CMU val; BENCHMARKS.md).')
   flags.DEFINE_integer('latency_frames', 0, 'Also report single-frame latency (median, p99) '
                        'over this many streamed frames.')
-  flags.DEFINE_boolean('live_backend', False, 'Start JAX for live frames first '
+  flags.DEFINE_boolean('live_backend', None, 'Start JAX for live frames first '
                        '(ik_gat_jax.start_live_backend: every call on the calling thread; a '
                        'live frame 1.3-2.4x faster on 2 unpinned cores; a clip as fast in the '
                        'dense attention form, which --attention=auto then takes; README, '
-                       '"Solving your own positions").')
+                       '"Solving your own positions"). Default: on with --latency_frames, so '
+                       'the latency reported is a live process\'s; off otherwise.')
   flags.DEFINE_enum('filter', None, ['none', 'one_euro'], 'Causal temporal filter of the '
                     'rotations (default: the checkpoint\'s, else none).')
   flags.DEFINE_float('filter_min_cutoff', None, 'One-Euro cutoff at rest (Hz).')
@@ -374,6 +375,11 @@ _LIVE_HINT = ('; on several cores --live_backend (or taskset -c 0) runs a live f
               '(1.3-2.4x on 2 cores; README, "Solving your own positions")')
 
 
+def live_backend_wanted(flag: bool | None, latency_frames: int) -> bool:
+  """--live_backend as given, else on exactly when the run measures live frames."""
+  return bool(latency_frames and latency_frames > 0) if flag is None else bool(flag)
+
+
 def _live_hint(latency: dict) -> bool:
   """Whether the latency line should point at the live backend: a CPU process on several
   cores that did not start it (a frame's kernels then go to other threads: 1.3-2.4x slower)."""
@@ -391,7 +397,7 @@ def main(argv) -> None:
     for name in ('input', 'output'):
       if F[name].value is None:
         raise ValueError(f'--{name} is required')
-    if F.live_backend:
+    if live_backend_wanted(F.live_backend, F.latency_frames):
       inference.start_live_backend()
     with warnings.catch_warnings():
       warnings.simplefilter('always')

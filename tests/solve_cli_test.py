@@ -184,13 +184,18 @@ def test_module_main_subprocess(ckpt, clip_npz, tmp_path):
   path, _ = clip_npz
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
   cmd = [sys.executable, '-m', 'ik_gat_jax.solve', f'--input={path}',
-         f'--output={tmp_path / "walk.bvh"}', f'--checkpoint={ckpt}', '--live_backend',
-         '--latency_frames=3']
+         f'--output={tmp_path / "walk.bvh"}', f'--checkpoint={ckpt}', '--latency_frames=3']
   done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr
   assert 'solved 6 frames' in done.stderr
-  assert '(cpu, live backend)' in done.stderr  # --live_backend started it (latency line)
+  assert '(cpu, live backend)' in done.stderr  # --latency_frames started it (latency line)
   assert bvh.read_bvh(tmp_path / 'walk.bvh').num_frames == 6
+
+
+def test_live_backend_defaults_to_on_with_latency_frames():
+  assert solve.live_backend_wanted(None, 3000) and not solve.live_backend_wanted(None, 0)
+  assert not solve.live_backend_wanted(False, 3000)  # --nolive_backend: the default backend
+  assert solve.live_backend_wanted(True, 0)
 
 
 # ----------------------------------------------------------------------------------------------
