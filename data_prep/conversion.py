@@ -580,7 +580,7 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
   if jmap.reference_pose not in (None, 'zero'):
     first = Path(clips[0].path)
     try:
-      raw = bvh.read_bvh(first)
+      raw = bvh.strip_namespace(bvh.read_bvh(first))
     except bvh.BVHError as e:
       raise ConversionError(str(e)) from None
     plan = retarget.plan_reduction(raw.names, raw.parents, jmap, names, parents)

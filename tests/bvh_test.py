@@ -346,3 +346,19 @@ def test_cmu_round_trip(tmp_path, name, cmu_dir):
   bvh.write_bvh(second, m2)
   assert first.read_bytes() == second.read_bytes()
   assert sorted(p.name for p in tmp_path.iterdir()) == ["first.bvh", "second.bvh"]
+
+
+def test_namespace_is_dropped_only_when_every_joint_carries_the_same_one():
+  assert bvh.namespace(['Anna:Hips', 'Anna:Spine']) == 'Anna:'
+  assert bvh.namespace(['a:b:Hips', 'a:b:Spine']) == 'a:b:'  # nested: up to the last ':'
+  assert bvh.namespace(['Hips', 'Spine']) == ''
+  assert bvh.namespace(['Anna:Hips', 'Ben:Spine']) == ''  # two namespaces: names as they are
+  assert bvh.namespace(['Anna:Hips', 'Spine']) == ''
+  assert bvh.namespace(['Anna:', 'Anna:Spine']) == ''  # would leave an empty name
+  m = bvh.parse_bvh(_text({2: 'ROOT Anna:Hips', 6: '\tJOINT Anna:Chest'}))
+  out = bvh.strip_namespace(m)
+  assert out.names == ('Hips', 'Chest') and m.names == ('Anna:Hips', 'Anna:Chest')
+  assert out.parents == m.parents and out.joints[1].channels == m.joints[1].channels
+  np.testing.assert_array_equal(out.motion, m.motion)
+  plain = bvh.parse_bvh(_text())
+  assert bvh.strip_namespace(plain) is plain

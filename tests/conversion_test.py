@@ -1,5 +1,6 @@
 """BVH -> shards: real CMU files, rig reduction rules, resampling, splits, merging, re-rigging."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from ik_gat_jax import kinematics
 from ik_gat_jax import skeleton
 from ik_gat_jax.errors import ConversionError
 from ik_gat_jax.io import bvh
+from ik_gat_jax.io import exports
 from ik_gat_jax.io import retarget
 from ik_gat_jax.provenance import file_sha256
 
@@ -482,3 +484,53 @@ def test_files_differing_only_in_the_root_offset_are_one_subject(tmp_path, cmu_d
   assert conversion.same_body(np.zeros((3, 3)), np.array([[1.0, 2, 3], [0, 0, 0], [0, 0, 0]]))
   assert not conversion.same_body(np.zeros((3, 3)), np.array([[0.0, 0, 0], [0, 1e-5, 0],
                                                               [0, 0, 0]]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Namespaces: 'Anna:Hips' reads as 'Hips' (io/bvh.py `strip_namespace`).
+
+
+def _in_namespace(m: bvh.BVHMotion, space: str) -> bvh.BVHMotion:
+  return dataclasses.replace(m, joints=[dataclasses.replace(j, name=space + j.name)
+                                        for j in m.joints])
+
+
+def test_subjects_in_their_own_namespaces_derive_one_rig(tmp_path, cmu_dir):
+  """Two subjects exported as 'Anna:NAME' and 'Ben:NAME' (as capture software names them): one
+  `--rig=auto` hierarchy with the bare names, the same frames as the bare files."""
+  inp, bare = tmp_path / 'in', tmp_path / 'bare'
+  inp.mkdir()
+  bare.mkdir()
+  for name, space in (('07_01', 'Anna:'), ('09_01', 'Ben:')):
+    m = bvh.read_bvh(cmu_dir / f'{name}.bvh')
+    m.motion = m.motion[:21]
+    bvh.write_bvh(inp / f'{name}.bvh', _in_namespace(m, space))
+    bvh.write_bvh(bare / f'{name}.bvh', m)
+  kw = dict(split='all', units=CMU_UNITS, prune=FINGERS, drop_first_frame=True, log=quiet)
+  conversion.convert(inp, 'auto', tmp_path / 'out', **kw)
+  conversion.convert(bare, 'auto', tmp_path / 'out_bare', **kw)
+  ds = data.load_shards(tmp_path / 'out', 'all')
+  ref = data.load_shards(tmp_path / 'out_bare', 'all')
+  assert ds.rig.joint_names == ref.rig.joint_names and 'Hips' in ds.rig.joint_names
+  np.testing.assert_array_equal(ds.positions, ref.positions)
+
+
+def test_namespaced_file_and_namespaced_joint_map_read_as_bare(tmp_path, cmu_dir):
+  """The solver's reader: a namespaced CMU file through the rig's own joint map, and the bare
+  file through a joint map written with namespaced source names, give the bare file's joints."""
+  rig = skeleton.cmu_body()
+  m = bvh.read_bvh(cmu_dir / '07_05.bvh')
+  m.motion = m.motion[:41]
+  bvh.write_bvh(tmp_path / 'bare.bvh', m)
+  bvh.write_bvh(tmp_path / 'ns.bvh', _in_namespace(m, 'mixamorig:'))
+  ref = exports.read_bvh_clip(tmp_path / 'bare.bvh', rig)
+  got = exports.read_bvh_clip(tmp_path / 'ns.bvh', rig)
+  np.testing.assert_array_equal(got.positions, ref.positions)
+  np.testing.assert_array_equal(got.offsets, ref.offsets)
+  doc = json.loads((REPO / 'ik_gat_jax/io/joint_maps/cmu_body.json').read_text())
+  doc.pop('$schema')
+  doc['joints'] = {'mocap:' + k: v for k, v in doc['joints'].items()}
+  doc['prune'] = ['mocap:' + k for k in doc['prune']]
+  (tmp_path / 'map.json').write_text(json.dumps(doc))
+  via_map = exports.read_bvh_clip(tmp_path / 'bare.bvh', rig, joint_map=str(tmp_path / 'map.json'))
+  np.testing.assert_array_equal(via_map.positions, ref.positions)

@@ -18,6 +18,12 @@ Parsing choices (strict on purpose: every problem is ONE ``BVHError`` "<file>:<l
 - the number of non-blank frame lines must equal ``Frames:``; every frame line must hold exactly
   the total channel count of finite numbers; blank lines in the motion block are ignored.
 
+Namespaces (`strip_namespace`, called by the project's readers above this module, not by
+`read_bvh`): when every joint name carries the same namespace, as Maya, MotionBuilder and
+Mixamo (``mixamorig:Hips``) write them and motion-capture software per subject (``Anna:Hips``),
+it is dropped, so files of several subjects share one hierarchy and match a rig or joint map
+by the bare names.
+
 Writing: motion values in fixed-point with ``precision`` decimals (trailing zeros dropped, so a
 written file re-read and re-written is byte-identical), offsets and frame time exactly (shortest
 repr); the file is written atomically (temp file in the same directory, then ``os.replace``).
@@ -143,6 +149,30 @@ class BVHMotion:
       if c in POSITION_CHANNELS:
         out[:, POSITION_CHANNELS.index(c)] = cols[:, k]
     return out
+
+
+# ----------------------------------------------------------------------------- namespaces
+
+
+def namespace(names) -> str:
+  """The namespace (up to and including the last ':') that every one of `names` carries, e.g.
+  'Anna:' for ('Anna:Hips', 'Anna:Spine'); '' when they do not all carry the same non-empty
+  one, or when dropping it would leave an empty name."""
+  spaces = {n[:n.rfind(':') + 1] for n in names}
+  if len(spaces) != 1:
+    return ''
+  (space,) = spaces
+  return space if all(len(n) > len(space) for n in names) else ''
+
+
+def strip_namespace(motion: BVHMotion) -> BVHMotion:
+  """`motion` with its joints' common `namespace` dropped (the same object when there is
+  none); offsets, channels and motion unchanged."""
+  space = namespace(motion.names)
+  if not space:
+    return motion
+  joints = [dataclasses.replace(j, name=j.name[len(space):]) for j in motion.joints]
+  return dataclasses.replace(motion, joints=joints)
 
 
 # ----------------------------------------------------------------------------- reading

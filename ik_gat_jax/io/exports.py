@@ -303,7 +303,7 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
                   max_frames: int | None = None) -> PositionsFile:
   """A BVH's joint positions `[T, J, 3]` and rest offsets `[J, 3]`, reduced to `rig` (metres,
   rig axes, verified FK); at `fps` (default: the file's own rate, no resampling)."""
-  motion = bvh.read_bvh(path)
+  motion = bvh.strip_namespace(bvh.read_bvh(path))  # 'mocap:Hips' -> 'Hips' (io/bvh.py)
   jmap = bvh_joint_map(motion, rig, joint_map, units)
   first = 1 if jmap.drop_first_frame else 0  # the joint map's T-pose frame (cgspeed CMU)
   stop = None if max_frames is None else first + max_frames

@@ -16,6 +16,9 @@ Choices written down (DESIGN leaves them open):
   and the rule must not depend on the bind (DESIGN section 3, rig invariance). Joints above the rig's root (a dummy root, "Armature") fold into the root's world
   transform exactly, moving or not. Position channels of any other joint must be constant (within
   1e-6 m); their value replaces the OFFSET (BVH semantics) and becomes the rig offset.
+- Namespaces. A file whose joint names all carry one namespace ('Anna:Hips', 'mixamorig:Hips')
+  is read by the bare names (`bvh.strip_namespace`), and a joint map's source names the same way
+  (`without_namespace`): subjects exported under their own namespaces share one hierarchy.
 - Axes. When the source's up/forward differ from the rig's, the world is re-labelled by the
   constant rotation W taking (up, forward, up x forward) of the source to the rig's: offsets
   `o' = W o`, every local rotation `R' = W R W^T`, root position `p' = W p`. Then `G' = W G W^T`
@@ -199,13 +202,28 @@ def joint_map_from_json(doc: dict, name: str, base_dir: Path, sha256: str | None
   ref = doc.get('reference_pose')
   if isinstance(ref, dict):
     ref = tuple((k, tuple(float(x) for x in v)) for k, v in ref.items())
-  return JointMap(
+  return without_namespace(JointMap(
       joints=tuple(doc['joints'].items()), units=float(doc['units']), up=doc['up'],
       forward=doc['forward'], rig=doc.get('rig'), prune=tuple(doc.get('prune', ())),
       designated_children=tuple(dc.items()) if dc is not None else None,
       mirror_pairs=pairs('mirror_pairs'), drop_first_frame=doc.get('drop_first_frame', False),
       subject_regex=doc.get('subject_regex'), default_split=doc.get('default_split'),
-      reference_pose=ref, name=name, base_dir=base_dir, sha256=sha256)
+      reference_pose=ref, name=name, base_dir=base_dir, sha256=sha256))
+
+
+def without_namespace(jmap: JointMap) -> JointMap:
+  """`jmap` with the namespace its source names all carry dropped (`bvh.namespace`: the
+  readers drop a file's the same way, so a map written for 'mocap:Hips' reads 'Hips' and the
+  other way round). Rig names (`joints`' values, designated children, mirror pairs) stay."""
+  ref = jmap.reference_pose if isinstance(jmap.reference_pose, tuple) else ()
+  space = bvh.namespace([s for s, _ in jmap.joints] + list(jmap.prune) + [k for k, _ in ref])
+  if not space:
+    return jmap
+  bare = lambda name: name[len(space):]  # noqa: E731
+  return dataclasses.replace(
+      jmap, joints=tuple((bare(s), r) for s, r in jmap.joints),
+      prune=tuple(bare(n) for n in jmap.prune),
+      reference_pose=(tuple((bare(k), v) for k, v in ref) if ref else jmap.reference_pose))
 
 
 def load_joint_map(spec: str) -> JointMap:
@@ -599,7 +617,7 @@ def resample(reduced: ReducedMotion, fps_in: float, fps_out: float) -> ReducedMo
 def read_motion(path: str | os.PathLike, drop_first_frame: bool) -> tuple[bvh.BVHMotion, int]:
   """Parses a BVH file, dropping frame 0 if asked; returns (motion, frames in the file)."""
   try:
-    motion = bvh.read_bvh(path)
+    motion = bvh.strip_namespace(bvh.read_bvh(path))
   except bvh.BVHError as e:
     raise ConversionError(str(e)) from None
   total = motion.num_frames
@@ -669,7 +687,7 @@ def reference_rotations(path: str | os.PathLike, jmap: JointMap, plan: Reduction
   if spec is None or spec == 'zero':
     return None
   try:
-    motion = bvh.read_bvh(path)
+    motion = bvh.strip_namespace(bvh.read_bvh(path))
   except bvh.BVHError as e:
     raise ConversionError(str(e)) from None
   if spec == 'first_frame':
