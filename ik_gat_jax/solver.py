@@ -61,7 +61,10 @@ Sparse inputs (issue G2). A checkpoint trained with `joint_mask` takes missing j
 A checkpoint trained with `end_sites` takes `end_sites [T, E, 3]` (world points of the rig's
 leaves `rig.leaves`: head top, hand and toe tips; same units and axes as the positions; NaN =
 not given).
-A checkpoint without them refuses a mask, NaN joints, orientations or end sites with `InputError`.
+A checkpoint without them refuses a mask, NaN joints, orientations or end sites with `InputError`,
+unless the solver holds missing joints (`hold_missing=True`, `--hold_missing`): a tracker's
+dropout then keeps the joint's last seen offset from the root, moved with the root, in clips and
+streams alike (`hold_missing_joints`; a joint must have been seen once).
 With missing joints the plausibility warnings are skipped, `estimate_lengths` and refinement
 refuse, and `positions_fk` is NaN in frames whose root is missing (FK starts at the root).
 
@@ -250,7 +253,40 @@ def check_finite(arr: np.ndarray, rig: Rig, what: str = 'positions') -> None:
     t, j = (int(i[0]) for i in np.nonzero(bad))
     raise InputError(f'{what} contain NaN/inf: frame {t}, joint {j} ({rig.joint_names[j]}) is '
                      f'{arr[t, j].tolist()} ({int(bad.sum())} bad joint entries in '
-                     f'{int(bad.any(-1).sum())} frames); fill or drop those frames first')
+                     f'{int(bad.any(-1).sum())} frames); fill or drop those frames first, or hold '
+                     'them from earlier frames (hold_missing=True, --hold_missing)')
+
+
+def hold_missing_joints(pos: np.ndarray, held: tuple | None, rig: Rig
+                        ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+  """Tracker dropouts filled causally: in `pos [T, J, 3]` a joint with a NaN/inf coordinate
+  keeps its offset from the root at the last frame that had it, moved with the root (`p_j(t) =
+  root(t) + p_j(s) - root(s)`); a missing root stays where it was last. `held`: the state
+  after the frames before `pos` (a stream's: `(root [3], offsets from the root [J, 3])`), or
+  None at a stream's start. Returns the filled copy (observed joints bit for bit) and the state
+  after it. Each frame depends only on it and earlier ones, computed the same way whether the
+  frames come one by one or as a clip, so a stream and a clip are filled bit for bit alike.
+  Raises InputError when a joint is missing before it was ever seen."""
+  ok = np.isfinite(pos).all(axis=-1)  # [T, J]
+  T, J = ok.shape
+  if ok.all():  # the common case: nothing to fill, only the state (the same numbers)
+    return pos, (pos[-1, 0].copy(), pos[-1] - pos[-1, 0])
+  seen = np.maximum.accumulate(np.where(ok, np.arange(T)[:, None], -1), axis=0)  # [T, J]
+  if held is None and (seen < 0).any():
+    t, j = (int(i[0]) for i in np.nonzero(seen < 0))
+    raise InputError(f'joint {j} ({rig.joint_names[j]}) is missing (NaN/inf) in frame {t} and '
+                     'was not seen before it: hold_missing fills a joint only from an earlier '
+                     'frame; start the stream on a frame with every joint')
+  s = np.maximum(seen, 0)
+  root = pos[s[:, 0], 0]  # [T, 3] the root, held where missing
+  if held is not None:  # not seen in `pos` yet: the stream's state
+    root = np.where((seen[:, 0] < 0)[:, None], held[0], root)
+  with np.errstate(invalid='ignore'):  # NaN where never seen here, replaced below
+    rel = pos[s, np.arange(J)[None, :]] - root[s]  # [T, J, 3] offsets from the root
+  if held is not None:
+    rel = np.where((seen < 0)[..., None], held[1], rel)
+  out = np.where(ok[..., None], pos, root[:, None, :] + rel)
+  return out, (root[-1].copy(), rel[-1].copy())
 
 
 def _real_bones(rig: Rig) -> np.ndarray:
@@ -604,15 +640,20 @@ class IKSolver:
   """A trained IK model ready to solve: positions `[T, J, 3]` -> rotations (module docstring).
 
   Holds the model's state, the rig, the default subject offsets and one jitted forward; the
-  only state between calls is the temporal filter's for `step` / `solve_stream` (`reset`).
+  only state between calls is the stream's for `step` / `solve_stream` (`reset`): the temporal
+  filter's, a window model's past frames and, with `hold_missing`, the joints held.
   """
 
   def __init__(self, model, meta: dict | None = None, *, offsets=None,
                block_size: int = DEFAULT_BLOCK, source: str | None = None,
                refine_iters: int = 0, temporal_filter: temporal.FilterConfig | None = None,
                fps: float = 30.0, refine_prior=None, mirror: bool = False,
-               workers: int | None = None):
+               workers: int | None = None, hold_missing: bool = False):
     self.rig: Rig = model.rig
+    # Tracker dropouts (NaN joints) held from earlier frames (`hold_missing_joints`); the
+    # stream's state for `step` / `solve_stream` in `_held` (`reset`).
+    self.hold_missing = bool(hold_missing)
+    self._held = None
     self.attention = gat.form_of(model)  # how the forward evaluates the graph attention
     self.mirror = bool(mirror)
     if self.mirror:  # a rig that cannot be mirrored: refused here, not at the first solve
@@ -730,7 +771,8 @@ class IKSolver:
                       fps: float = 30.0, attention: str = 'dense',
                       refine_prior: str | os.PathLike | None = 'shipped',
                       mirror: bool = False, workers: int | None = None,
-                      matmul_precision: str = 'float32') -> 'IKSolver':
+                      matmul_precision: str = 'float32',
+                      hold_missing: bool = False) -> 'IKSolver':
     """Loads a run directory or checkpoint (None: `inference.SHIPPED_IKGAT`).
 
     `offsets [J, 3]` (metres) or `offsets_from` (a BVH: its rest offsets reduced to the rig,
@@ -759,7 +801,9 @@ class IKSolver:
     `matmul_precision`: 'float32', or 'bfloat16' for the network's large products (bfloat16
     inputs, float32 sums; `model.set_matmul_precision`): on a CPU with bfloat16 instructions a
     live frame 1.4x and a clip 1.8x as fast, the error within 0.002 deg of float32's on CMU
-    val and test (BENCHMARKS.md, issue N session 31).
+    val and test (BENCHMARKS.md, issue N session 31). `hold_missing`: NaN joints of clips and
+    streams (tracker dropouts) take their last seen offset from the root, moved with the root
+    (`hold_missing_joints`), for checkpoints without joint masks, which otherwise refuse them.
     """
     if offsets is not None and offsets_from is not None:  # before the (slow) model load
       raise InputError('give offsets or offsets_from, not both')
@@ -790,7 +834,7 @@ class IKSolver:
     prior = _refine_prior(refine_prior, model.rig) if refine_iters > 0 else None
     return cls(model, meta, offsets=offsets, block_size=block_size, source=str(path),
                refine_iters=refine_iters, temporal_filter=temporal_filter, fps=fps,
-               refine_prior=prior, mirror=mirror, workers=workers)
+               refine_prior=prior, mirror=mirror, workers=workers, hold_missing=hold_missing)
 
   # -- offsets ------------------------------------------------------------------------------
 
@@ -829,12 +873,16 @@ class IKSolver:
               input_axes: str | np.ndarray | None = None,
               check: bool = True) -> tuple[np.ndarray, bool]:
     """Checks and converts input positions to `[T, J, 3]` metres in rig axes (module doc).
-    NaN joints pass when the model takes joint masks (no plausibility check then)."""
-    arr, single = check_positions(positions, self.rig, allow_missing=self.supports_masks)
+    NaN joints pass when the model takes joint masks (no plausibility check then); with
+    `hold_missing` they are filled from earlier frames of the clip (`hold_missing_joints`)."""
+    arr, single = check_positions(positions, self.rig,
+                                  allow_missing=self.supports_masks or self.hold_missing)
     scale = parse_units(units)
     M = parse_input_axes(input_axes, self.rig)
     if scale != 1.0 or not np.array_equal(M, np.eye(3)):  # metres in rig axes: as they are
       arr = (arr.reshape(-1, 3) @ (scale * M.T)).reshape(arr.shape)
+    if self.hold_missing:
+      arr, _ = hold_missing_joints(arr, None, self.rig)
     if check and all_finite(arr):
       check_plausibility(arr, self.rig, scale)
     return arr, single
@@ -1139,9 +1187,10 @@ class IKSolver:
     return np.asarray(out)[:n]
 
   def reset(self) -> None:
-    """Starts a new stream: the temporal filter and a window model's past frames forget the
-    frames `step`/`solve_stream` saw."""
+    """Starts a new stream: the temporal filter, a window model's past frames and the held
+    joints (`hold_missing`) forget the frames `step`/`solve_stream` saw."""
     self._filter_state = None
+    self._held = None
     if self._history is not None:
       self._history.reset()
 
@@ -1164,11 +1213,14 @@ class IKSolver:
     1.4-1.9x faster on two cores (`inference.start_live_backend`; BENCHMARKS.md, issue N
     sessions 33-34).
     """
-    pos, _ = check_positions(frame, self.rig, allow_missing=self.supports_masks)
+    pos, _ = check_positions(frame, self.rig,
+                             allow_missing=self.supports_masks or self.hold_missing)
     if pos.shape[0] != 1:
       raise InputError(f'step takes one frame [{self.rig.num_joints}, 3], got {pos.shape[0]} '
                        f'frames {list(pos.shape)}; use solve() for a clip or solve_stream() '
                        'for batches')
+    if self.hold_missing:  # the stream's dropouts filled from its earlier frames
+      pos, self._held = hold_missing_joints(pos, self._held, self.rig)
     sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
     if offsets is None and sparse is None and self._history is None:  # the common live frame
       if self._stream_step is None:  # one argument, one call
@@ -1251,7 +1303,9 @@ class IKSolver:
     off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
     subject = self._device_subject(off)
     for item in frames:
-      pos, single = check_positions(item, self.rig)
+      pos, single = check_positions(item, self.rig, allow_missing=self.hold_missing)
+      if self.hold_missing:
+        pos, self._held = hold_missing_joints(pos, self._held, self.rig)
       if pos.shape[0] > self.block_size:
         raise InputError(f'a stream item holds {pos.shape[0]} frames, more than block_size '
                          f'{self.block_size}; use solve() for clips')
@@ -1271,7 +1325,7 @@ class IKSolver:
     filter included), ms."""
     frame = (rest_positions_np(self.offsets, self.rig.parents) if frame is None
              else np.asarray(frame, np.float64))
-    saved = self._filter_state  # the timing stream must not disturb the user's
+    saved, held = self._filter_state, self._held  # the timing stream must not disturb the user's
     saved_history = copy.deepcopy(self._history)
     for _ in range(warmup):
       self.step(frame)
@@ -1280,7 +1334,7 @@ class IKSolver:
       t = time.perf_counter()
       self.step(frame)
       times.append(time.perf_counter() - t)
-    self._filter_state, self._history = saved, saved_history
+    self._filter_state, self._history, self._held = saved, saved_history, held
     ms = 1e3 * np.asarray(times)
     return {'n': int(n), 'median_ms': float(np.median(ms)),
             'p99_ms': float(np.percentile(ms, 99)), 'mean_ms': float(ms.mean()),

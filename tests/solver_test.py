@@ -509,3 +509,76 @@ def test_sparse_attention_solves_the_same(tmp_path_factory, solver):
   assert hlo[0] != hlo[1]  # another evaluation was compiled, not the dense one again
   with pytest.raises(ValueError, match='form must be'):
     IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory), attention='fast')
+
+
+# ----------------------------------------------------------------------------------------------
+# Tracker dropouts held (`hold_missing`).
+
+
+def _held_reference(pos: np.ndarray) -> np.ndarray:
+  """Frame by frame: a missing root stays where it was; another missing joint keeps its
+  offset from the root of the frame before (the definition `hold_missing_joints` vectorises)."""
+  out, prev = [], None
+  for f in pos:
+    f = f.copy()
+    bad = ~np.isfinite(f).all(axis=-1)
+    if bad[0]:
+      f[0] = prev[0]
+    for j in np.nonzero(bad[1:])[0] + 1:
+      f[j] = prev[j] - prev[0] + f[0]
+    out.append(f)
+    prev = f
+  return np.stack(out)
+
+
+def _dropouts(pos: np.ndarray) -> np.ndarray:
+  pos = pos.copy()
+  pos[2:5, 9] = np.nan  # a hand for three frames
+  pos[3, 0] = np.nan  # the root for one, meanwhile
+  pos[5, 12, 1] = np.inf  # one coordinate
+  pos[6:, 16] = np.nan  # a toe to the end
+  return pos
+
+
+def test_hold_missing_joints_fills_causally_and_alike_in_any_chunks(solver):
+  rig = solver.rig
+  pos = _dropouts(posed_clip(rig, solver.offsets, T=9, seed=3))
+  filled, state = solver_lib.hold_missing_joints(pos, None, rig)
+  np.testing.assert_allclose(filled, _held_reference(pos), rtol=0, atol=1e-12)
+  ok = np.isfinite(pos).all(axis=-1)
+  np.testing.assert_array_equal(filled[ok], pos[ok])  # observed joints untouched
+  for chunks in ([1] * 9, [2, 3, 4], [4, 5]):
+    parts, held, t = [], None, 0
+    for n in chunks:
+      part, held = solver_lib.hold_missing_joints(pos[t:t + n], held, rig)
+      parts.append(part)
+      t += n
+    np.testing.assert_array_equal(np.concatenate(parts), filled)  # stream == clip, bit for bit
+    for a, b in zip(held, state):
+      np.testing.assert_array_equal(a, b)
+  with pytest.raises(InputError, match=r'joint 9 \(LeftHand\) is missing .* in frame 0 and was '
+                     'not seen before it'):
+    solver_lib.hold_missing_joints(pos[2:], None, rig)
+
+
+def test_solver_holds_dropouts_in_clips_and_streams(tmp_path_factory):
+  solver = IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory), hold_missing=True)
+  rig = solver.rig
+  pos = _dropouts(posed_clip(rig, solver.offsets, T=9, seed=4))
+  filled, _ = solver_lib.hold_missing_joints(pos, None, rig)
+  np.testing.assert_array_equal(solver.solve(pos), solver.solve(filled))
+  sol = solver.solve(pos, full=True)
+  np.testing.assert_array_equal(sol.positions, filled.astype(np.float32))
+  streamed = np.stack([solver.step(f) for f in pos])
+  solver.reset()
+  np.testing.assert_array_equal(streamed, np.stack([solver.step(f) for f in filled]))
+  solver.reset()
+  np.testing.assert_allclose(np.concatenate(list(solver.solve_stream([pos[:4], pos[4:]]))),
+                             solver.solve(filled), atol=2e-5)  # other batch shapes
+  solver.reset()  # a new stream: nothing to hold the hand from
+  with pytest.raises(InputError, match='was not seen before it'):
+    solver.step(pos[2])
+  plain = get_solver(tmp_path_factory)  # without it, dropouts are refused, pointing at it
+  assert not plain.hold_missing
+  with pytest.raises(InputError, match=r'NaN/inf: frame 2, joint 9 .*--hold_missing'):
+    plain.solve(pos)
