@@ -582,3 +582,24 @@ def test_solver_holds_dropouts_in_clips_and_streams(tmp_path_factory):
   assert not plain.hold_missing
   with pytest.raises(InputError, match=r'NaN/inf: frame 2, joint 9 .*--hold_missing'):
     plain.solve(pos)
+
+
+def test_csv_empty_fields_are_missing_values(solver, tmp_path):
+  """pandas writes NaN as an empty field: read as NaN (a joint `hold_missing` fills), with or
+  without a header, comma- or tab-separated; a trailing separator is still allowed."""
+  rig = solver.rig
+  pos = posed_clip(rig, solver.offsets, T=3)
+  pos[1, 9] = np.nan
+  flat = pos.reshape(3, -1)
+  header = ','.join(f'{n}_{a}' for n in rig.joint_names for a in 'xyz')
+  rows = ['' if not np.isfinite(v) else f'{v:.9f}' for v in flat.ravel()]
+  rows = [rows[k:k + flat.shape[1]] for k in range(0, flat.size, flat.shape[1])]
+  (tmp_path / 'a.csv').write_text(header + '\n' + '\n'.join(','.join(r) for r in rows) + '\n')
+  (tmp_path / 'b.tsv.csv').write_text('\n'.join('\t'.join(r) for r in rows) + '\n')
+  (tmp_path / 'c.csv').write_text('\n'.join(','.join(r) + ',' for r in rows) + '\n')
+  for name in ('a.csv', 'b.tsv.csv', 'c.csv'):
+    got = exports.read_positions_csv(tmp_path / name, rig)
+    np.testing.assert_allclose(got, pos, atol=1e-8, err_msg=name)  # NaN where NaN
+  (tmp_path / 'short.csv').write_text(','.join(rows[0][:-1]) + '\n')
+  with pytest.raises(InputError, match=r'short.csv:1: 62 columns, expected 63'):
+    exports.read_positions_csv(tmp_path / 'short.csv', rig)

@@ -3,9 +3,12 @@
 Readers return positions `[T, J, 3]` in the rig's joint order:
 - npz: key `positions` (or the only array), `[T, J, 3]` or `[J, 3]`, input units; optional
   `joint_names` (reordered to the rig's by name), `fps`, `offsets [J, 3]` (metres).
-- csv: one frame per row, J x 3 columns (x, y, z per joint in rig order), comma, semicolon or
-  whitespace separated; a header row is optional. A header whose fields all read `<joint>_<axis>`
-  (or `<joint>.<axis>`) with the rig's joint names is used to reorder the columns.
+- csv: one frame per row, J x 3 columns (x, y, z per joint in rig order), comma, semicolon, tab
+  or whitespace separated; a header row is optional. A header whose fields all read
+  `<joint>_<axis>` (or `<joint>.<axis>`) with the rig's joint names is used to reorder the
+  columns. With a comma, semicolon or tab between fields an empty field is a missing value (NaN,
+  as pandas writes one; a joint the solver then refuses or holds, `hold_missing`), and one
+  separator after the last field is allowed.
 - BVH: joint positions by FK, reduced to the rig with `io.retarget` (the file's own
   rest offsets come along). A BVH that has every rig joint by name (e.g. one this module wrote)
   is reduced by name, extra subtrees pruned, in centimetres unless `units` says otherwise; any
@@ -46,6 +49,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -213,17 +217,31 @@ def _is_number(text: str) -> bool:
     return False
 
 
+def _csv_fields(line: str, expected: int) -> list[str]:
+  """A row's fields: split at its commas, else semicolons, else tabs, keeping empty fields
+  (missing values; one trailing separator dropped when the row then has `expected`), else at
+  runs of whitespace."""
+  text = line.strip()
+  for sep in (',', ';', '\t'):
+    if sep in text:
+      fields = [f.strip() for f in text.split(sep)]
+      if len(fields) == expected + 1 and fields[-1] == '':
+        fields.pop()
+      return fields
+  return text.split()
+
+
 def read_positions_csv(path: str | os.PathLike, rig: Rig) -> np.ndarray:
   """`[T, J, 3]` from one frame per row (module docstring)."""
   lines = [(i + 1, line) for i, line in enumerate(Path(path).read_text().splitlines())
            if line.strip() and not line.lstrip().startswith('#')]
   if not lines:
     raise InputError(f'{path}: no rows')
-  split = lambda line: [f for f in re.split(r'[,;\s]+', line.strip()) if f]  # noqa: E731
-  header = None
-  if not all(_is_number(f) for f in split(lines[0][1])):
-    header, lines = split(lines[0][1]), lines[1:]
   J = rig.num_joints
+  split = lambda line: _csv_fields(line, 3 * J)  # noqa: E731
+  header = None
+  if not all(f == '' or _is_number(f) for f in split(lines[0][1])):
+    header, lines = split(lines[0][1]), lines[1:]
   rows = []
   for lineno, line in lines:
     fields = split(line)
@@ -232,7 +250,7 @@ def read_positions_csv(path: str | os.PathLike, rig: Rig) -> np.ndarray:
                        f'the {J} joints of rig {rig.name!r} in order: '
                        f'{", ".join(rig.joint_names)})')
     try:
-      rows.append([float(f) for f in fields])
+      rows.append([float(f) if f else math.nan for f in fields])  # empty: missing
     except ValueError:
       bad = next(f for f in fields if not _is_number(f))
       raise InputError(f'{path}:{lineno}: {bad!r} is not a number') from None
