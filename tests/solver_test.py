@@ -603,3 +603,21 @@ def test_csv_empty_fields_are_missing_values(solver, tmp_path):
   (tmp_path / 'short.csv').write_text(','.join(rows[0][:-1]) + '\n')
   with pytest.raises(InputError, match=r'short.csv:1: 62 columns, expected 63'):
     exports.read_positions_csv(tmp_path / 'short.csv', rig)
+
+
+def test_csv_named_columns_leave_an_index_and_a_time_out(solver, tmp_path):
+  """`pandas.DataFrame.to_csv` of named columns writes its index first (an empty header
+  field); a time column may sit anywhere: the named x, y, z columns are picked, the rest left
+  out."""
+  rig = solver.rig
+  pos = posed_clip(rig, solver.offsets, T=3)
+  names = [f'{n}_{a}' for n in rig.joint_names for a in 'xyz']
+  header = ',' + ','.join(names[:6]) + ',time,' + ','.join(names[6:])
+  rows = [f'{t},' + ','.join(f'{v:.9f}' for v in r[:6]) + f',{t / 30:.4f},' +
+          ','.join(f'{v:.9f}' for v in r[6:]) for t, r in enumerate(pos.reshape(3, -1))]
+  (tmp_path / 'df.csv').write_text(header + '\n' + '\n'.join(rows) + '\n')
+  np.testing.assert_allclose(exports.read_positions_csv(tmp_path / 'df.csv', rig), pos,
+                             atol=1e-8)
+  (tmp_path / 'part.csv').write_text(','.join(names[:60]) + '\n' + '1,' * 59 + '1\n')
+  with pytest.raises(InputError, match=r'part.csv: header lacks columns RightToeBase_x'):
+    exports.read_positions_csv(tmp_path / 'part.csv', rig)

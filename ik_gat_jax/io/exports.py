@@ -4,11 +4,12 @@ Readers return positions `[T, J, 3]` in the rig's joint order:
 - npz: key `positions` (or the only array), `[T, J, 3]` or `[J, 3]`, input units; optional
   `joint_names` (reordered to the rig's by name), `fps`, `offsets [J, 3]` (metres).
 - csv: one frame per row, J x 3 columns (x, y, z per joint in rig order), comma, semicolon, tab
-  or whitespace separated; a header row is optional. A header whose fields all read
-  `<joint>_<axis>` (or `<joint>.<axis>`) with the rig's joint names is used to reorder the
-  columns. With a comma, semicolon or tab between fields an empty field is a missing value (NaN,
-  as pandas writes one; a joint the solver then refuses or holds, `hold_missing`), and one
-  separator after the last field is allowed.
+  or whitespace separated; a header row is optional. A header naming columns `<joint>_<axis>`
+  (or `<joint>.<axis>`) with the rig's joint names picks and orders them (every joint's x, y, z
+  must be there; other columns, such as pandas' index or a time, are left out). With a comma,
+  semicolon or tab between fields an empty field is a missing value (NaN, as pandas writes one;
+  a joint the solver then refuses or holds, `hold_missing`), and one separator after the last
+  field is allowed.
 - BVH: joint positions by FK, reduced to the rig with `io.retarget` (the file's own
   rest offsets come along). A BVH that has every rig joint by name (e.g. one this module wrote)
   is reduced by name, extra subtrees pruned, in centimetres unless `units` says otherwise; any
@@ -238,17 +239,21 @@ def read_positions_csv(path: str | os.PathLike, rig: Rig) -> np.ndarray:
   if not lines:
     raise InputError(f'{path}: no rows')
   J = rig.num_joints
-  split = lambda line: _csv_fields(line, 3 * J)  # noqa: E731
-  header = None
-  if not all(f == '' or _is_number(f) for f in split(lines[0][1])):
-    header, lines = split(lines[0][1]), lines[1:]
+  header, order, width = None, None, 3 * J
+  first = _csv_fields(lines[0][1], width)
+  if not all(f == '' or _is_number(f) for f in first):
+    header, lines = first, lines[1:]
+    order = _header_order(header, rig, path)
+    if order is not None:  # named columns: the others (an index, a time) are left out
+      width = len(header)
   rows = []
   for lineno, line in lines:
-    fields = split(line)
-    if len(fields) != 3 * J:
-      raise InputError(f'{path}:{lineno}: {len(fields)} columns, expected {3 * J} (x, y, z of '
-                       f'the {J} joints of rig {rig.name!r} in order: '
-                       f'{", ".join(rig.joint_names)})')
+    fields = _csv_fields(line, width)
+    if len(fields) != width:
+      what = ('as many as the header names' if order is not None else
+              f'x, y, z of the {J} joints of rig {rig.name!r} in order: '
+              f'{", ".join(rig.joint_names)}')
+      raise InputError(f'{path}:{lineno}: {len(fields)} columns, expected {width} ({what})')
     try:
       rows.append([float(f) if f else math.nan for f in fields])  # empty: missing
     except ValueError:
@@ -256,17 +261,19 @@ def read_positions_csv(path: str | os.PathLike, rig: Rig) -> np.ndarray:
       raise InputError(f'{path}:{lineno}: {bad!r} is not a number') from None
   if not rows:
     raise InputError(f'{path}: a header but no frames')
-  pos = np.asarray(rows, np.float64).reshape(len(rows), J, 3)
-  order = _header_order(header, rig, path) if header else None
-  return pos.reshape(len(rows), 3 * J)[:, order].reshape(len(rows), J, 3) if order else pos
+  table = np.asarray(rows, np.float64)
+  return (table if order is None else table[:, order]).reshape(len(rows), J, 3)
 
 
 def _header_order(header: list[str], rig: Rig, path) -> list[int] | None:
-  """Column permutation to rig order when every header field is `<rig joint>_<axis>`."""
+  """The header's columns of the rig's joints' x, y, z, in rig order, when it names them
+  (`<rig joint>_<axis>`; other fields, such as a pandas index or a time, are left out), else
+  None (an opaque header: columns are taken in rig order)."""
   parsed = [re.fullmatch(r'(.+?)[_.:]([xyzXYZ])', h) for h in header]
-  if not all(parsed) or not all(m.group(1) in rig.joint_names for m in parsed):
-    return None  # an opaque header: columns are taken in rig order
-  index = {(m.group(1), m.group(2).lower()): k for k, m in enumerate(parsed)}
+  index = {(m.group(1), m.group(2).lower()): k for k, m in enumerate(parsed)
+           if m and m.group(1) in rig.joint_names}
+  if not index:
+    return None
   need = [(n, a) for n in rig.joint_names for a in 'xyz']
   missing = [f'{n}_{a}' for n, a in need if (n, a) not in index]
   if missing:
