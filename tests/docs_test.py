@@ -80,6 +80,16 @@ def _imports(tree: ast.AST) -> set[str]:
 
 
 @functools.cache
+def _parsed(module: str) -> tuple[dict, set[str]]:
+  """(flags defined, repository modules imported) of one module; empty when not a file here."""
+  path = _module_file(module)
+  if path is None:
+    return {}, set()
+  tree = ast.parse(path.read_text(), str(path))
+  return _defines(tree), _imports(tree)
+
+
+@functools.cache
 def _flags(module: str) -> dict[str, list[str] | None]:
   """Flags of `module` and of every repository module it imports, transitively."""
   out, seen, todo = {}, set(), [module]
@@ -88,13 +98,10 @@ def _flags(module: str) -> dict[str, list[str] | None]:
     if m in seen:
       continue
     seen.add(m)
-    path = _module_file(m)
-    if path is None:
-      continue
-    tree = ast.parse(path.read_text(), str(path))
-    for name, values in _defines(tree).items():
+    defines, imports = _parsed(m)
+    for name, values in defines.items():
       out.setdefault(name, values)
-    todo.extend(_imports(tree))
+    todo.extend(imports)
   return out
 
 
