@@ -204,6 +204,9 @@ def test_npz_reader_orders_by_joint_names(solver, tmp_path):
   np.savez(tmp_path / 'q.npz', positions=pos, joint_names=np.asarray(['x'] * rig.num_joints))
   with pytest.raises(InputError, match='do not match rig'):
     exports.read_positions_npz(tmp_path / 'q.npz', rig)
+  np.savez(tmp_path / 'n.npz', positions=pos[:, perm],  # one namespace: the bare names count
+           joint_names=np.asarray(['Anna:' + n for n in rig.joint_names])[perm])
+  np.testing.assert_allclose(exports.read_positions_npz(tmp_path / 'n.npz', rig).positions, pos)
 
 
 def test_input_errors(solver):

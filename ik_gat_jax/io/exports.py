@@ -203,6 +203,8 @@ def read_positions_npz(path: str | os.PathLike, rig: Rig) -> PositionsFile:
 
 
 def _order_by_names(names: Sequence[str], rig: Rig, what: str) -> list[int]:
+  space = bvh.namespace(names)  # 'Anna:Hips' -> 'Hips', as for a BVH's joints
+  names = [n[len(space):] for n in names]
   missing = [n for n in rig.joint_names if n not in names]
   extra = [n for n in names if n not in rig.joint_names]
   if missing or extra:
