@@ -621,6 +621,11 @@ def test_csv_named_columns_leave_an_index_and_a_time_out(solver, tmp_path):
   (tmp_path / 'df.csv').write_text(header + '\n' + '\n'.join(rows) + '\n')
   np.testing.assert_allclose(exports.read_positions_csv(tmp_path / 'df.csv', rig), pos,
                              atol=1e-8)
+  spaced = ',' + ','.join('Anna:' + n for n in names[:6]) + ',time,' + ','.join(
+      'Anna:' + n for n in names[6:])  # one namespace: the bare names count
+  (tmp_path / 'ns.csv').write_text(spaced + '\n' + '\n'.join(rows) + '\n')
+  np.testing.assert_allclose(exports.read_positions_csv(tmp_path / 'ns.csv', rig), pos,
+                             atol=1e-8)
   (tmp_path / 'part.csv').write_text(','.join(names[:60]) + '\n' + '1,' * 59 + '1\n')
   with pytest.raises(InputError, match=r'part.csv: header lacks columns RightToeBase_x'):
     exports.read_positions_csv(tmp_path / 'part.csv', rig)

@@ -2,11 +2,13 @@
 
 Readers return positions `[T, J, 3]` in the rig's joint order:
 - npz: key `positions` (or the only array), `[T, J, 3]` or `[J, 3]`, input units; optional
-  `joint_names` (reordered to the rig's by name), `fps`, `offsets [J, 3]` (metres).
+  `joint_names` (reordered to the rig's by name; a namespace they all carry dropped), `fps`,
+  `offsets [J, 3]` (metres).
 - csv: one frame per row, J x 3 columns (x, y, z per joint in rig order), comma, semicolon, tab
   or whitespace separated; a header row is optional. A header naming columns `<joint>_<axis>`
   (or `<joint>.<axis>`) with the rig's joint names picks and orders them (every joint's x, y, z
-  must be there; other columns, such as pandas' index or a time, are left out). With a comma,
+  must be there; other columns, such as pandas' index or a time, are left out; a namespace all
+  its joint names carry, `Anna:Hips_x`, is dropped, as for a BVH's joints). With a comma,
   semicolon or tab between fields an empty field is a missing value (NaN, as pandas writes one;
   a joint the solver then refuses or holds, `hold_missing`), and one separator after the last
   field is allowed.
@@ -272,8 +274,9 @@ def _header_order(header: list[str], rig: Rig, path) -> list[int] | None:
   (`<rig joint>_<axis>`; other fields, such as a pandas index or a time, are left out), else
   None (an opaque header: columns are taken in rig order)."""
   parsed = [re.fullmatch(r'(.+?)[_.:]([xyzXYZ])', h) for h in header]
-  index = {(m.group(1), m.group(2).lower()): k for k, m in enumerate(parsed)
-           if m and m.group(1) in rig.joint_names}
+  space = bvh.namespace([m.group(1) for m in parsed if m])  # 'Anna:Hips_x': as a BVH's joints
+  named = [(m.group(1)[len(space):], m.group(2).lower()) if m else None for m in parsed]
+  index = {f: k for k, f in enumerate(named) if f and f[0] in rig.joint_names}
   if not index:
     return None
   need = [(n, a) for n in rig.joint_names for a in 'xyz']
