@@ -10,7 +10,7 @@ export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0.5
 export PYTHONUNBUFFERED = 1
 
-.PHONY: venv demo test clean device-wheels
+.PHONY: venv demo test clean device-wheels clients
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -33,7 +33,21 @@ demo: venv
 # two run side by side on a 2-core machine. TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 test: venv
+	@if command -v npm > /dev/null; then timeout 300 $(MAKE) -s clients || \
+	  echo "make clients failed (no npm registry?): tests/threejs_test.py will skip"; fi
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist=loadfile tests $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
+
+# Real clients of the solver's files for tests/threejs_test.py, pinned by
+# tests/clients/package-lock.json: three.js's loaders and the Khronos glTF validator (npm
+# packages, pure JavaScript, run by Node.js). `make test` installs them first where npm is on
+# PATH; without them those tests skip.
+CLIENTS := tests/clients
+$(CLIENTS)/node_modules/.installed: $(CLIENTS)/package.json $(CLIENTS)/package-lock.json
+	cd $(CLIENTS) && npm ci --no-audit --no-fund --loglevel=error --fetch-retries=1 \
+	  --fetch-timeout=30000
+	touch $@
+
+clients: $(CLIENTS)/node_modules/.installed
 
 # The prepared GPU check on a machine whose Python already has JAX for CUDA, Flax, optax, orbax
 # and PyTorch, and no network (experiments/device_run.sh installs these there): the wheels of
