@@ -459,13 +459,21 @@ def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarra
     channels = ((bvh.POSITION_CHANNELS if p < 0 else ()) +
                 tuple(f'{axis}rotation' for axis in orders[j]))
     joints.append(bvh.BVHJoint(name=rig.joint_names[j], parent=pos_in_file[p] if p >= 0 else -1,
-                               offset=np.asarray(offsets[j], np.float64) * k, channels=channels,
-                               end_site=None if ends[j] is None else ends[j] * k))
+                               offset=_float32_digits(np.asarray(offsets[j], np.float64) * k),
+                               channels=channels,
+                               end_site=None if ends[j] is None else _float32_digits(ends[j] * k)))
   angles = euler_degrees_per_joint(np.asarray(local_rot)[:, order],
                                    [orders[j] for j in order])  # [T, J, 3]
   motion = np.concatenate([np.asarray(root_pos, np.float64) * k,
                            angles.reshape(len(angles), -1)], axis=1)
   return bvh.BVHMotion(joints=joints, frame_time=1.0 / fps, motion=motion)
+
+
+def _float32_digits(values: np.ndarray) -> np.ndarray:
+  """`values` to 9 significant digits, all a float32 carries (the solution's offsets are
+  float32): a file's `OFFSET 1.43168` comes back as 1.43168, not 1.4316800000000003 after the
+  units' round trip."""
+  return np.array([float(f'{v:.9g}') for v in np.ravel(values)]).reshape(np.shape(values))
 
 
 def _end_sites(offsets: np.ndarray, rig: Rig) -> list[np.ndarray | None]:
