@@ -34,11 +34,10 @@ from scipy.spatial.transform import Rotation
 
 from ik_gat_jax import kinematics, skeleton
 from ik_gat_jax import solver as solver_lib
-from ik_gat_jax.io import blender, exports
+from ik_gat_jax.io import exports
 from ik_gat_jax.io import gltf as gltf_lib
 
-FPS = 30.0
-FRAMES = 45
+FPS = 30.0  # solved_07_05's (conftest.py)
 NO_ASSIMP = 'assimp not on PATH; apt-get install assimp-utils'
 ORDERS = ('XYZ', 'XZY', 'YXZ', 'YZX', 'ZXY', 'ZYX')
 
@@ -52,12 +51,9 @@ def assimp_exe() -> str:
 
 
 @pytest.fixture(scope='module')
-def solved(assimp_exe, cmu_dir):
+def solved(assimp_exe, solved_07_05):
   del assimp_exe  # asked first, so nothing is solved for nothing
-  solver = solver_lib.IKSolver.from_checkpoint()
-  clip = exports.read_bvh_clip(cmu_dir / '07_05.bvh', solver.rig, fps=FPS,
-                               max_frames=4 * FRAMES)
-  return solver.solve(clip.positions[:FRAMES], offsets=clip.offsets, full=True), solver.rig
+  return solved_07_05  # conftest.py: 45 frames of 07_05 at FPS
 
 
 def assimp_scene(exe: str, path, tmp_path) -> dict:
@@ -171,17 +167,10 @@ def test_glb(assimp_exe, solved, tmp_path):
   check_scene(scene, rig, np.asarray(sol.positions_fk), np.asarray(sol.global_rot), FPS, 1.0)
 
 
-def test_fbx(assimp_exe, solved, tmp_path):
-  if blender.find_blender() is None:
-    pytest.skip('blender not on PATH (it writes the FBX); apt-get install blender')
+def test_fbx(assimp_exe, solved, tmp_path, write_fbx_or_skip):
   sol, rig = solved
   path = tmp_path / 'clip.fbx'
-  try:
-    exports.write_solution_fbx(path, sol, rig, FPS)
-  except blender.BlenderError as e:
-    if 'cannot import numpy' in str(e):  # as tests/blender_test.py: the machine, not the code
-      pytest.skip(str(e))
-    raise
+  write_fbx_or_skip(path, sol, rig, FPS)
   scene = assimp_scene(assimp_exe, path, tmp_path)
   # Assimp's FBX scene puts Blender's armature node (a fixed axis rotation) above the root.
   check_scene(scene, rig, np.asarray(sol.positions_fk), np.asarray(sol.global_rot), FPS, 1.0,

@@ -48,8 +48,7 @@ from ik_gat_jax import solver as solver_lib
 from ik_gat_jax.io import blender, exports
 from ik_gat_jax.io import bvh as bvh_lib
 
-FPS = 30.0
-FRAMES = 45
+FPS, FRAMES = 30.0, 45  # solved_07_05's (conftest.py)
 NO_BLENDER = 'blender not on PATH; apt-get install blender'
 TIMES = {}  # seconds per Blender step, printed by the last test (pytest -s)
 
@@ -80,12 +79,8 @@ def blender_exe() -> str:
 
 
 @pytest.fixture(scope='module')
-def solved(cmu_dir):
-  solver = solver_lib.IKSolver.from_checkpoint()
-  clip = exports.read_bvh_clip(cmu_dir / '07_05.bvh', solver.rig, fps=FPS,
-                               max_frames=4 * FRAMES)
-  sol = solver.solve(clip.positions[:FRAMES], offsets=clip.offsets, full=True)
-  return sol, solver.rig
+def solved(solved_07_05):
+  return solved_07_05  # conftest.py: FRAMES frames of 07_05 at FPS
 
 
 @pytest.fixture(scope='module')

@@ -92,6 +92,42 @@ LONGEST_FIRST = ('train_test', 'benchmark_test', 'train_rig_test', 'iterative_ik
                  'distributed_test', 'window_model_test', 'shipped_test', 'masking_test')
 
 
+CLIENT_FPS, CLIENT_FRAMES = 30.0, 45
+
+
+@pytest.fixture(scope='session')
+def solved_07_05(cmu_dir):
+  """(Solution, rig): the first 45 frames of 07_05 (the unseen subject) at 30 fps solved by the
+  shipped checkpoint, full; the clip the client tests (assimp, three.js) write and read."""
+  from ik_gat_jax import solver as solver_lib  # pylint: disable=import-outside-toplevel
+  from ik_gat_jax.io import exports  # pylint: disable=import-outside-toplevel
+  solver = solver_lib.IKSolver.from_checkpoint()
+  clip = exports.read_bvh_clip(cmu_dir / '07_05.bvh', solver.rig, fps=CLIENT_FPS,
+                               max_frames=4 * CLIENT_FRAMES)
+  sol = solver.solve(clip.positions[:CLIENT_FRAMES], offsets=clip.offsets, full=True)
+  return sol, solver.rig
+
+
+@pytest.fixture(scope='session')
+def write_fbx_or_skip():
+  """`write(path, sol, rig, fps)`: the solution's FBX, written by Blender; the test skips where
+  Blender is missing or its Python cannot import numpy and ours cannot lend it (io/blender.py's
+  one-line error: the machine, not the code; tests/blender_test.py). Any other error fails."""
+  from ik_gat_jax.io import blender, exports  # pylint: disable=import-outside-toplevel
+
+  def write(path, sol, rig, fps: float) -> None:
+    if blender.find_blender() is None:
+      pytest.skip('blender not on PATH (it writes the FBX); apt-get install blender')
+    try:
+      exports.write_solution_fbx(path, sol, rig, fps)
+    except blender.BlenderError as e:
+      if 'cannot import numpy' in str(e):
+        pytest.skip(str(e))
+      raise
+
+  return write
+
+
 def pytest_collection_modifyitems(session, config, items):
   del session, config
   rank = {name: i for i, name in enumerate(LONGEST_FIRST)}

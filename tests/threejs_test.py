@@ -45,11 +45,10 @@ from scipy.spatial.transform import Rotation
 
 from ik_gat_jax import kinematics, skeleton
 from ik_gat_jax import solver as solver_lib
-from ik_gat_jax.io import blender, exports
+from ik_gat_jax.io import exports
 from ik_gat_jax.io import gltf as gltf_lib
 
-FPS = 30.0
-FRAMES = 45
+FPS = 30.0  # solved_07_05's (conftest.py)
 CLIENTS = Path(__file__).parent / 'clients'
 ORDERS = ('XYZ', 'XZY', 'YXZ', 'YZX', 'ZXY', 'ZYX')
 EPS32 = float(np.finfo(np.float32).eps)
@@ -67,12 +66,9 @@ def node_exe() -> str:
 
 
 @pytest.fixture(scope='module')
-def solved(node_exe, cmu_dir):
+def solved(node_exe, solved_07_05):
   del node_exe  # asked first, so nothing is solved for nothing
-  solver = solver_lib.IKSolver.from_checkpoint()
-  clip = exports.read_bvh_clip(cmu_dir / '07_05.bvh', solver.rig, fps=FPS,
-                               max_frames=4 * FRAMES)
-  return solver.solve(clip.positions[:FRAMES], offsets=clip.offsets, full=True), solver.rig
+  return solved_07_05  # conftest.py: 45 frames of 07_05 at FPS
 
 
 def _node(exe: str, *args) -> dict:
@@ -283,17 +279,10 @@ def test_bvh(node_exe, solved, tmp_path, orders):
   check_scene(scene, rig, sol.positions_fk, sol.global_rot, FPS, 0.01, by_node=False)
 
 
-def test_fbx(node_exe, solved, tmp_path):
-  if blender.find_blender() is None:
-    pytest.skip('blender not on PATH (it writes the FBX); apt-get install blender')
+def test_fbx(node_exe, solved, tmp_path, write_fbx_or_skip):
   sol, rig = solved
   path = tmp_path / 'clip.fbx'
-  try:
-    exports.write_solution_fbx(path, sol, rig, FPS)
-  except blender.BlenderError as e:
-    if 'cannot import numpy' in str(e):  # as tests/blender_test.py: the machine, not the code
-      pytest.skip(str(e))
-    raise
+  write_fbx_or_skip(path, sol, rig, FPS)
   scene = three_scene(node_exe, 'fbx', path, range(sol.num_frames))
   # three.js puts Blender's armature node (a fixed axis rotation and scale) above the root.
   check_scene(scene, rig, sol.positions_fk, sol.global_rot, FPS, 1.0, by_node=False,
