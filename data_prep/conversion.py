@@ -62,6 +62,9 @@ SPLIT_DIR = PACKAGE_DIR / 'splits'
 
 SUBJECT_TOL_M = 1e-6  # offsets closer than this are the same subject's
 NATURAL_POSE_ASYMMETRY_DEG = 20.0  # a derived rig's reference pose asymmetric beyond: warned
+# A derived rig's up (y) is doubted when the bodies' median extent along another axis is this
+# many times their extent along y (CMU, y up: 1.33 m along y against 0.51 and 0.53 m).
+UP_EXTENT_RATIO = 1.25
 SPLIT_NAMES = ('train', 'val', 'test', 'all')
 Log = Callable[[str], None]
 
@@ -588,6 +591,9 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
   if target is None and shards.rig is None:
     target = retarget.derive_rig(rig_name, jmap, names, parents, _subject_mean_offsets(clips),
                                  reference)
+    doubt = doubt_up_axis(clips, jmap)
+    if doubt:
+      log(f'WARNING: rig {target.name}: {doubt}')
     angle, joint = target.mirror_asymmetry()
     if angle > NATURAL_POSE_ASYMMETRY_DEG:
       log(f'WARNING: rig {target.name}: its {"reference" if reference is not None else "zero"} '
@@ -610,6 +616,24 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
          'seconds': round(time.perf_counter() - started, 3), 'git_commit': git_commit(),
          'time_utc': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
   return write_output(output, shards, target, clips, float(fps), split_sources, run)
+
+
+def doubt_up_axis(clips: Sequence[Clip], jmap: retarget.JointMap) -> str | None:
+  """Why the files may not be `jmap.up`-up, or None: a derived rig takes its files' up as its
+  own (y), but upright bodies extend most along up; here the median over every frame of the
+  bodies' extent (highest joint minus lowest) along another rig axis is `UP_EXTENT_RATIO` times
+  that along y or more. Fine for motion that lies down throughout."""
+  p = np.concatenate([c.positions for c in clips])
+  extent = np.median(p.max(axis=1) - p.min(axis=1), axis=0)  # [3], rig axes
+  k = int(np.argmax(extent))
+  if k == 1 or extent[k] < UP_EXTENT_RATIO * extent[1]:
+    return None
+  W = retarget.world_rotation(jmap.up, jmap.forward, (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))
+  axis = 'xyz'[int(np.argmax(np.abs(W[k])))]  # the files' axis that became the rig's axis k
+  return (f'the bodies extend most along the files\' {axis} axis (median {extent[k]:.2f} m, '
+          f'against {extent[1]:.2f} m along {jmap.up}, taken as up): if the files are '
+          f'{axis}-up, convert again with --up={axis} (or --up=-{axis}) and the axis they face '
+          f'(--forward); fine if the bodies lie down throughout')
 
 
 def _subject_mean_offsets(clips: Sequence[Clip]) -> list[np.ndarray]:

@@ -1,7 +1,8 @@
 r"""One command for your own rig: convert, train IK-GAT and the prior, evaluate, export.
 
   python -m experiments.train_rig --bvh=DIR --workdir=DIR [--rig=auto|NAME|JOINT_MAP.json] \
-      [--units=auto|NUMBER|m|cm|mm|in|ft|cmu] [--reference_pose=zero|first_frame] \
+      [--units=auto|NUMBER|m|cm|mm|in|ft|cmu] [--up=y --forward=z] \
+      [--reference_pose=zero|first_frame] \
       [--split=auto|subject|file|SPLIT.json] [--subject_regex=RE] [--size=small] [--steps=N] \
       [--prior_steps=N] [--export=DIR] [--eval_frames=N] [--iters=100] [--acknowledgment=TEXT] \
       [--config.train.lr=...] [--prior_config.model.latent=...]
@@ -30,6 +31,12 @@ split of your own (data_prep/splits/ format).
 --units=auto: the joint map's units for a joint map; for --rig=auto estimated from the first
 file's skeleton (io/units.py; printed with its evidence, refused when no unit makes a human).
 
+--up, --forward (--rig=auto only; a joint map names its own): the files' up axis and the axis
+their bodies face at rest, default y and z; e.g. --up=z --forward=-y for files exported from
+Blender. The derived rig is y-up, +z-forward either way; the card's solve command then adds the
+matching --input_axes. The conversion warns when the bodies extend most along another axis than
+the one taken as up (data_prep.conversion.doubt_up_axis).
+
 Solve your rig's clips afterwards with the command the card prints, e.g.
   python -m ik_gat_jax.solve --checkpoint=WORKDIR/checkpoint --input=CLIP.bvh \
       --output=CLIP_ikgat.bvh --units=0.056444
@@ -45,6 +52,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -55,6 +63,7 @@ from experiments.configs import default as default_config
 from experiments.configs import prior as prior_config
 from ik_gat_jax import checkpointing, data, evaluation, inference, iterative_ik, prior_task
 from ik_gat_jax import provenance, train, vposer
+from ik_gat_jax import solver as solver_lib
 from ik_gat_jax.io import atomic, retarget
 
 CONFIG_DIR = Path(__file__).resolve().parent / 'configs'
@@ -78,6 +87,8 @@ class Options:
   workdir: str
   rig: str = 'auto'
   units: str = 'auto'
+  up: str | None = None
+  forward: str | None = None
   reference_pose: str | None = None
   split: str = 'auto'
   subject_regex: str | None = None
@@ -207,6 +218,7 @@ def _convert(o: Options, w: Path, m: Manifest, log: Log, tag: str) -> dict:
   key = {'files': _digest(files), 'rig': o.rig, 'units': o.units,
          'reference_pose': o.reference_pose, 'split': o.split,
          'subject_regex': o.subject_regex, 'rig_name': o.rig_name, 'fps': o.fps}
+  key.update({k: v for k, v in (('up', o.up), ('forward', o.forward)) if v is not None})
   if (shards / 'summary.json').is_file():
     held = {f['file']: f['sha256'] for f in json.loads((shards / 'files.json').read_text())}
     if held != dict(files):
@@ -247,8 +259,9 @@ def _convert(o: Options, w: Path, m: Manifest, log: Log, tag: str) -> dict:
   if isinstance(units, str) and units.strip().lower() == 'auto' and o.rig != 'auto':
     units = None  # the joint map's own
   summary = conversion.convert(o.bvh, o.rig, shards, split=split, split_file=split_file,
-                               fps=o.fps, units=units, subject_regex=o.subject_regex,
-                               rig_name=o.rig_name, reference_pose=o.reference_pose, log=log)
+                               fps=o.fps, units=units, up=o.up, forward=o.forward,
+                               subject_regex=o.subject_regex, rig_name=o.rig_name,
+                               reference_pose=o.reference_pose, log=log)
   log(f'{tag} convert: done in {time.perf_counter() - t:.1f} s ({summary["total_files"]} files, '
       f'frames {summary["frames"]}, rig {summary["rig"]})')
   m.set('convert', status='done', seconds=round(time.perf_counter() - t, 2), outputs=[
@@ -348,6 +361,9 @@ def solve_command(export: Path, summary: dict, o: Options) -> str:
   cmd = (f'python -m ik_gat_jax.solve --checkpoint={export} --input=CLIP.bvh '
          f'--output=CLIP_ikgat.bvh --units={run["units_m"]:g}')
   if o.rig == 'auto':
+    W = retarget.world_rotation(run['up'], run['forward'], (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))
+    if not np.array_equal(W, np.eye(3)):  # the files' axes -> the rig's y-up, +z-forward world
+      cmd += f' --input_axes={solver_lib.axes_text(W)}'
     return cmd
   return cmd + f' --joint_map={Path(o.rig).absolute() if Path(o.rig).is_file() else o.rig}'
 
@@ -430,6 +446,14 @@ def run(o: Options, log: Log = _print) -> dict:
   w = Path(o.workdir)
   if not Path(o.bvh).exists():
     raise FileNotFoundError(f'--bvh {o.bvh} does not exist')
+  if o.rig != 'auto' and (o.up, o.forward) != (None, None):
+    raise ValueError(f'--up and --forward are for --rig=auto; the joint map {o.rig} names its '
+                     'files\' axes itself ("up", "forward")')
+  if (o.up is None) != (o.forward is None):
+    raise ValueError('--up and --forward go together (e.g. --up=z --forward=-y for files '
+                     'exported from Blender)')
+  if o.up is not None:
+    retarget.world_rotation(o.up, o.forward, (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))  # checks them
   w.mkdir(parents=True, exist_ok=True)
   shown = {k: v for k, v in dataclasses.asdict(o).items() if k not in ('config', 'prior_config')}
   m = Manifest(w, shown)
@@ -486,6 +510,9 @@ def define_flags() -> None:
   s('rig', 'auto', '"auto" (derived from the files), a joint-map JSON or a built-in name.')
   s('units', 'auto', 'Metres per file unit: auto (estimated for --rig=auto, the joint map\'s '
     'otherwise), a number, or m, cm, mm, in, ft, cmu.')
+  s('up', None, 'With --rig=auto: the files\' up axis (x, y, z, -x, ...; default y), with '
+    '--forward, e.g. --up=z --forward=-y for files exported from Blender.')
+  s('forward', None, 'With --rig=auto: the axis the files\' bodies face at rest (default z).')
   flags.DEFINE_enum('reference_pose', None, ['zero', 'first_frame'], 'The source\'s natural '
                     '(T-)pose: its zero pose or frame 0 of the first file (bvh_to_shards).')
   s('split', 'auto', 'auto, subject, file (module docstring) or a split JSON.')
@@ -516,7 +543,8 @@ def main(argv):
   for name in ('bvh', 'workdir'):
     if not F[name].value:
       raise ValueError(f'--{name} is required')
-  o = Options(bvh=F.bvh, workdir=F.workdir, rig=F.rig, units=F.units,
+  o = Options(bvh=F.bvh, workdir=F.workdir, rig=F.rig, units=F.units, up=F.up,
+              forward=F.forward,
               reference_pose=F.reference_pose, split=F.split, subject_regex=F.subject_regex,
               rig_name=F.rig_name, fps=F.fps, size=F['size'].value, steps=F.steps,
               prior_steps=F.prior_steps, export=F.export, eval_frames=F.eval_frames,

@@ -194,7 +194,7 @@ def _canonical_to_rig(rig: Rig | None) -> np.ndarray:
   return np.stack([np.cross(up, fw), up, fw], axis=1)  # columns: images of x, y, z
 
 
-def _axes_text(M: np.ndarray) -> str:
+def axes_text(M: np.ndarray) -> str:
   """The 'a,b,c' spelling of a signed permutation matrix."""
   out = []
   for row in M:
@@ -371,8 +371,8 @@ def _check_up(positions: np.ndarray, rig: Rig) -> list[str]:
   k = int(np.argmax(np.abs(v)))  # the input axis that points up: suggest the map to rig up
   M = _suggest_axes(k, float(np.sign(v[k])), rig)
   return [f'up axis looks wrong: the {rig.joint_names[head]} is {where} '
-          f'{rig.joint_names[0]} on average (rig up is {_axes_text(up[None])}); pass '
-          f'--input_axes (e.g. --input_axes={_axes_text(M)} if input {"-" if v[k] < 0 else "+"}'
+          f'{rig.joint_names[0]} on average (rig up is {axes_text(up[None])}); pass '
+          f'--input_axes (e.g. --input_axes={axes_text(M)} if input {"-" if v[k] < 0 else "+"}'
           f'{"xyz"[k]} is up)']
 
 

@@ -109,6 +109,31 @@ def solved_07_05(cmu_dir):
 
 
 @pytest.fixture(scope='session')
+def z_up_copy():
+  """`copy(m: BVHMotion) -> BVHMotion`: `m` (y up, facing +z) in a z-up world facing -y
+  (Blender's): every offset, End Site and root translation turned by V (+90 degrees about x),
+  every local rotation conjugated, V R V^T, so that every joint lands at V p. For files with
+  CMU's channels (rotations ZYX, last)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from scipy.spatial.transform import Rotation  # pylint: disable=import-outside-toplevel
+  from ik_gat_jax.io import bvh  # pylint: disable=import-outside-toplevel
+  V = Rotation.from_euler('x', 90, degrees=True).as_matrix()  # y up -> z up, z fwd -> -y fwd
+
+  def copy(m):
+    columns, joints = [], []
+    for j, joint in enumerate(m.joints):
+      R = V @ bvh.euler_to_matrix_np(m.rotation_degrees(j), m.euler_order(j)) @ V.T
+      euler = Rotation.from_matrix(R).as_euler('ZYX', degrees=True)
+      pc = m.position_channels(j)
+      columns.append(euler if pc is None else np.concatenate([pc @ V.T, euler], axis=1))
+      joints.append(bvh.BVHJoint(joint.name, joint.parent, V @ joint.offset, joint.channels,
+                                 None if joint.end_site is None else V @ joint.end_site))
+    return bvh.BVHMotion(joints, m.frame_time, np.concatenate(columns, axis=1))
+
+  return copy
+
+
+@pytest.fixture(scope='session')
 def write_fbx_or_skip():
   """`write(path, sol, rig, fps)`: the solution's FBX, written by Blender; the test skips where
   Blender is missing or its Python cannot import numpy and ours cannot lend it (io/blender.py's

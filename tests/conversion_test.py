@@ -425,22 +425,11 @@ def test_game_engine_rig_is_recovered_by_auto(tmp_path, cmu_dir):
   np.testing.assert_allclose(ds.offsets[0], np.asarray(rig.template_offsets), atol=1e-6)
 
 
-def test_z_up_source_is_turned_into_the_rig_world(tmp_path, cmu_dir):
+def test_z_up_source_is_turned_into_the_rig_world(tmp_path, cmu_dir, z_up_copy):
   m = bvh.read_bvh(cmu_dir / '07_01.bvh')
   m.motion = m.motion[:41]
-  V = Rotation.from_euler('x', 90, degrees=True).as_matrix()  # y up -> z up, z fwd -> -y fwd
-  T, J = m.num_frames, len(m.joints)
-  columns, joints = [], []
-  for j, joint in enumerate(m.joints):
-    R = V @ bvh.euler_to_matrix_np(m.rotation_degrees(j), m.euler_order(j)) @ V.T
-    euler = Rotation.from_matrix(R).as_euler('ZYX', degrees=True)
-    pc = m.position_channels(j)
-    columns.append(euler if pc is None else np.concatenate([pc @ V.T, euler], axis=1))
-    joints.append(bvh.BVHJoint(joint.name, joint.parent, V @ joint.offset, joint.channels,
-                               None if joint.end_site is None else V @ joint.end_site))
   (tmp_path / 'z').mkdir()
-  bvh.write_bvh(tmp_path / 'z' / '07_01.bvh', bvh.BVHMotion(joints, m.frame_time,
-                                                            np.concatenate(columns, axis=1)))
+  bvh.write_bvh(tmp_path / 'z' / '07_01.bvh', z_up_copy(m))
   (tmp_path / 'y').mkdir()
   bvh.write_bvh(tmp_path / 'y' / '07_01.bvh', m)
   conversion.convert(tmp_path / 'z', 'cmu_body', tmp_path / 'out_z', up='z', forward='-y',
@@ -450,6 +439,33 @@ def test_z_up_source_is_turned_into_the_rig_world(tmp_path, cmu_dir):
   np.testing.assert_allclose(z.positions, y.positions, atol=1e-5)
   np.testing.assert_allclose(z.local_rot, y.local_rot, atol=1e-5)
   np.testing.assert_allclose(z.offsets, y.offsets, atol=1e-6)
+
+
+def test_a_derived_rig_of_z_up_files_is_doubted_unless_up_is_given(tmp_path, cmu_dir, z_up_copy):
+  """--rig=auto on z-up files (Blender's world): taken as y-up, the conversion warns and names
+  the axis; with --up=z --forward=-y it gives the y-up files' rig and shards, with no warning."""
+  for name in ('07_01', '09_01'):
+    m = bvh.read_bvh(cmu_dir / f'{name}.bvh')
+    m.motion = m.motion[:41]
+    for world, motion in (('y', m), ('z', z_up_copy(m))):
+      (tmp_path / world).mkdir(exist_ok=True)
+      bvh.write_bvh(tmp_path / world / f'{name}.bvh', motion)
+  kw = dict(split='all', units=CMU_UNITS, prune=FINGERS, drop_first_frame=True)
+  logs = {}
+  for out, world, axes in (('y', 'y', {}), ('z_as_y', 'z', {}),
+                           ('z', 'z', dict(up='z', forward='-y'))):
+    logs[out] = []
+    conversion.convert(tmp_path / world, 'auto', tmp_path / f'out_{out}', log=logs[out].append,
+                       **kw, **axes)
+  warned = [ln for ln in logs['z_as_y'] if ln.startswith('WARNING')]
+  assert len(warned) == 1 and "along the files' z axis" in warned[0] and '--up=z' in warned[0]
+  assert not any(ln.startswith('WARNING') for ln in logs['y'] + logs['z'])
+  y, z = data.load_shards(tmp_path / 'out_y', 'all'), data.load_shards(tmp_path / 'out_z', 'all')
+  assert z.rig.joint_names == y.rig.joint_names
+  np.testing.assert_allclose(np.asarray(z.rig.template_offsets),
+                             np.asarray(y.rig.template_offsets), atol=1e-6)
+  np.testing.assert_allclose(z.positions, y.positions, atol=1e-5)
+  np.testing.assert_allclose(z.local_rot, y.local_rot, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 through --rig=auto (convert, IK-GAT, prior, evaluation, export), its resume, and solving one of
 the rig's clips with the exported checkpoint."""
 
+import dataclasses
 import json
 import math
 import os
@@ -157,6 +158,45 @@ def test_solve_writes_the_rigs_bvh(rig_run, tmp_path):
   assert solved.joints[1].channels == original.joints[1].channels  # the source's order
   # Root translation in the source's own units (the BVH text keeps 4 decimals: 1e-3).
   np.testing.assert_allclose(solved.motion[:, :3], original.motion[:, :3], atol=1e-3)
+
+
+def test_z_up_clips_solve_with_the_cards_input_axes(rig_run, tmp_path, z_up_copy):
+  """Files exported z-up facing -y (Blender's world) and converted with --up=z --forward=-y
+  give this rig (tests/conversion_test.py), and the card's command then adds the axes:
+  `--input_axes=x,z,-y`. With it, a z-up copy of a clip solves to the clip's own rotations and
+  joints: within float32 round-off of the inputs (the copy's text rounds its conjugated angles
+  to 6 decimals, 1e-8 rad) through the network, 2e-5 (measured 4e-7; `pytest -s`)."""
+  from ik_gat_jax.solve import solve_file
+  options, manifest, _ = rig_run
+  export = Path(options.workdir) / 'checkpoint'
+  summary = json.loads((Path(options.workdir) / 'shards' / 'summary.json').read_text())
+  assert train_rig.solve_command(export, summary, options) == (
+      manifest['stages']['export']['solve_command'])
+  z_options = dataclasses.replace(options, up='z', forward='-y')
+  summary['runs'][-1].update(up='+z', forward='-y')  # what that conversion records
+  command = train_rig.solve_command(export, summary, z_options)
+  assert command.endswith(' --input_axes=x,z,-y'), command
+  units = command.split('--units=')[1].split()[0]
+  source = Path(options.bvh) / '09_03.bvh'
+  bvh.write_bvh(tmp_path / 'z.bvh', z_up_copy(bvh.read_bvh(source)))
+  out = {}
+  for name, path, axes in (('y', source, None), ('z', tmp_path / 'z.bvh', 'x,z,-y')):
+    solve_file(path, tmp_path / f'{name}.npz', checkpoint=str(export), units=units,
+               input_axes=axes, log=lambda m: None)
+    out[name] = np.load(tmp_path / f'{name}.npz')
+  print('z-up copy against the clip:', {k: float(np.abs(out['z'][k] - out['y'][k]).max())
+                                        for k in ('local_rot', 'positions_fk', 'offsets')})
+  for key in ('local_rot', 'positions_fk', 'offsets'):
+    np.testing.assert_allclose(out['z'][key], out['y'][key], atol=2e-5, err_msg=key)
+
+
+def test_up_and_forward_are_checked(tmp_path):
+  for kw, match in ((dict(rig='cmu_body', up='z', forward='-y'), 'are for --rig=auto'),
+                    (dict(up='z'), 'go together'),
+                    (dict(up='z', forward='z'), 'perpendicular')):
+    o = train_rig.Options(bvh=str(tmp_path), workdir=str(tmp_path / 'w'), **kw)
+    with pytest.raises(Exception, match=match):
+      train_rig.run(o, log=lambda m: None)
 
 
 def test_bad_input_is_one_line(tmp_path):
