@@ -63,7 +63,8 @@ SPLIT_DIR = PACKAGE_DIR / 'splits'
 SUBJECT_TOL_M = 1e-6  # offsets closer than this are the same subject's
 NATURAL_POSE_ASYMMETRY_DEG = 20.0  # a derived rig's reference pose asymmetric beyond: warned
 # A derived rig's up (y) is doubted when the bodies' median extent along another axis is this
-# many times their extent along y (CMU, y up: 1.33 m along y against 0.51 and 0.53 m).
+# many times their extent along y (CMU's training frames, y up: about 2.5 times as tall as they
+# are wide or deep).
 UP_EXTENT_RATIO = 1.25
 SPLIT_NAMES = ('train', 'val', 'test', 'all')
 Log = Callable[[str], None]
