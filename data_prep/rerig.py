@@ -1,7 +1,8 @@
 r"""Re-rigged CMU: the same motion under another bind convention (issue L; DESIGN section 3).
 
     python -m data_prep.rerig --input=../shared/data/cmu --output=DIR [--seed=0] \
-        [--files=07_12,09_03] [--order=XZY] [--units=cm] [--bind=bone_x|random] [--precision=6]
+        [--files=07_12,09_03] [--order=XZY] [--units=cm] [--bind=bone_x|random] [--precision=6] \
+        [--up=y --forward=z]
 
 Every joint j of the source hierarchy (all 31 CMU joints, fingers included) gets one fixed bind
 rotation `A_j`, the same in every file (one rig; `--seed`): its new frame is the old one times
@@ -21,6 +22,12 @@ unchanged. The zero pose of the result (all channels 0) is a crumpled, non-natur
 - A dummy root `Reference` above Hips, with three rotation channels that are 0 in every frame
   and an OFFSET drawn per file (`default_rng([seed, crc32(file name)])`: x, z in [-100, 100],
   y in [0, 20] cm); Hips' position channels are compensated (`t' = p - o_ref`).
+- World: `--up` and `--forward` (default y and z, CMU's) name the output world's up axis and the
+  axis the rest body faces, e.g. `--up=z --forward=-y` for Blender's. The y-up result is then
+  re-labelled by the rotation V taking CMU's (y, z) to them, as a z-up tool writes a BVH (and as
+  io/retarget.py reads one back): every OFFSET, End Site and translation `V o`, every local
+  rotation `V R' V^T`, so every joint lands at `V p`. The joint map says so (its `up` and
+  `forward`), so converting the files gives exactly what the y-up files give.
 - Frame 0 (cgspeed's synthetic T-pose) stays, re-rigged like every frame.
 Before a file is written its text is parsed back and its FK (`bvh.naive_fk_np` with
 `--units`) compared with the original's (CMU units) for every frame, joint and End Site; above
@@ -138,10 +145,16 @@ def _euler(R: np.ndarray, order: str) -> np.ndarray:
   return e.reshape(R.shape[:-2] + (3,))
 
 
+def world(up: str = 'y', forward: str = 'z') -> np.ndarray:
+  """V `[3, 3]`: CMU's world (y up, facing +z) -> the output's (`up`, `forward`)."""
+  return retarget.world_rotation('+y', '+z', retarget.parse_axis(up), retarget.parse_axis(forward))
+
+
 def rerig_motion(motion: bvh.BVHMotion, binds: np.ndarray, order: str, scale: float,
-                 ref_offset: np.ndarray) -> bvh.BVHMotion:
+                 ref_offset: np.ndarray, V: np.ndarray = np.eye(3)) -> bvh.BVHMotion:
   """The re-rigged motion (module docstring): a dummy root, binds `[J, 3, 3]`, Euler `order`,
-  `scale` output units per source unit, the dummy root at `ref_offset` (output units)."""
+  `scale` output units per source unit, the dummy root at `V ref_offset` (output units), the
+  world turned by `V` (`world`)."""
   if len(order) != 3 or sorted(order.upper()) != ['X', 'Y', 'Z']:
     raise ValueError(f'--order must be a permutation of XYZ, got {order!r}')
   order = order.upper()
@@ -153,25 +166,33 @@ def rerig_motion(motion: bvh.BVHMotion, binds: np.ndarray, order: str, scale: fl
     raise ValueError('only the source root may have position channels')
   A = binds
   R = _local_rotations(motion)
-  Ap = np.stack([np.eye(3) if p < 0 else A[p] for p in parents])
-  R_new = np.einsum('jba,tjbc,jcd->tjad', Ap, R, A)  # A_p^T R A_j
-  joints = [bvh.BVHJoint(DUMMY_ROOT, -1, np.asarray(ref_offset, np.float64), rot_channels)]
+  Ap = _parent_binds(A, parents)
+  R_new = V @ np.einsum('jba,tjbc,jcd->tjad', Ap, R, A) @ V.T  # V A_p^T R A_j V^T
+  ref = V @ np.asarray(ref_offset, np.float64)
+  joints = [bvh.BVHJoint(DUMMY_ROOT, -1, ref, rot_channels)]
   for j, joint in enumerate(motion.joints):
-    offset = np.zeros(3) if j == 0 else scale * (Ap[j].T @ joint.offset)
-    end = None if joint.end_site is None else scale * (A[j].T @ joint.end_site)
+    offset = np.zeros(3) if j == 0 else scale * (V @ Ap[j].T @ joint.offset)
+    end = None if joint.end_site is None else scale * (V @ A[j].T @ joint.end_site)
     joints.append(bvh.BVHJoint(joint.name, joint.parent + 1, offset,
                                (bvh.POSITION_CHANNELS if j == 0 else ()) + rot_channels, end))
-  root_pos = scale * motion.position_channels(0) - np.asarray(ref_offset)
+  root_pos = scale * motion.position_channels(0) @ V.T - ref
   T = motion.num_frames
   cols = [np.zeros((T, 3)), root_pos] + [_euler(R_new[:, j], order) for j in range(len(parents))]
   return bvh.BVHMotion(joints=joints, frame_time=motion.frame_time,
                        motion=np.concatenate(cols, axis=1))
 
 
+def _parent_binds(A: np.ndarray, parents: Sequence[int]) -> np.ndarray:
+  """Per joint its parent's bind (identity for the root)."""
+  return np.stack([np.eye(3) if p < 0 else A[p] for p in parents])
+
+
 def fk_error(original: bvh.BVHMotion, rerigged: bvh.BVHMotion, source_m: float,
-             target_m: float) -> float:
-  """Max distance (m) over frames of joints and End Sites between the two files' naive FK."""
+             target_m: float, V: np.ndarray = np.eye(3)) -> float:
+  """Max distance (m) over frames of joints and End Sites between the two files' naive FK,
+  the original's turned by `V`."""
   p0, G0 = bvh.naive_fk_np(original, source_m, with_rotations=True)
+  p0, G0 = p0 @ V.T, V @ G0  # End Sites: V (p + G e)
   p1, G1 = bvh.naive_fk_np(rerigged, target_m, with_rotations=True)
   p1, G1 = p1[:, 1:], G1[:, 1:]  # without the dummy root
   err = float(np.linalg.norm(p1 - p0, axis=-1).max())
@@ -184,15 +205,15 @@ def fk_error(original: bvh.BVHMotion, rerigged: bvh.BVHMotion, source_m: float,
 
 
 def rerig_file(src: Path, dst: Path, binds: np.ndarray, order: str, units_m: float, seed: int,
-               precision: int | None = 6) -> dict:
+               precision: int | None = 6, V: np.ndarray = np.eye(3)) -> dict:
   """Re-rigs one file, verifies the written text (module docstring), writes it atomically."""
   original = bvh.read_bvh(src)
   if original.names[0] == DUMMY_ROOT:
     raise RerigError(f'{src}: already has a {DUMMY_ROOT} root')
   ref = reference_offset(src.name, seed)
-  motion = rerig_motion(original, binds, order, CMU_UNITS / units_m, ref)
+  motion = rerig_motion(original, binds, order, CMU_UNITS / units_m, ref, V)
   text = bvh.format_bvh(motion, precision)
-  err = fk_error(original, bvh.parse_bvh(text, str(dst)), CMU_UNITS, units_m)
+  err = fk_error(original, bvh.parse_bvh(text, str(dst)), CMU_UNITS, units_m, V)
   if not err <= FK_TOL_M:
     raise RerigError(f'{src}: the re-rigged file moves joints by up to {err:.3g} m (limit '
                      f'{FK_TOL_M:g} m); nothing written for it')
@@ -216,10 +237,11 @@ def rerigged_rig(binds: np.ndarray, names: Sequence[str]) -> skeleton.Rig:
 
 
 def joint_map_doc(binds: np.ndarray, names: Sequence[str], parents: Sequence[int], order: str,
-                  units_m: float) -> dict:
+                  units_m: float, up: str = 'y', forward: str = 'z') -> dict:
   cmu = json.loads((retarget.JOINT_MAP_DIR / 'cmu_body.json').read_text())
-  Ap = np.stack([np.eye(3) if p < 0 else binds[p] for p in parents])
-  ref_local = np.einsum('jba,jbc->jac', Ap, binds)  # cmu_body's zero pose, re-rigged
+  Ap = _parent_binds(binds, parents)
+  V = world(up, forward)
+  ref_local = V @ np.einsum('jba,jbc->jac', Ap, binds) @ V.T  # cmu_body's zero pose, re-rigged
   angles = _euler(ref_local, order)
   return {
       '$schema': str(retarget.SCHEMA_PATH),
@@ -231,13 +253,18 @@ def joint_map_doc(binds: np.ndarray, names: Sequence[str], parents: Sequence[int
       'prune': cmu['prune'],
       'mirror_pairs': cmu['mirror_pairs'],
       'units': units_m,
-      'up': '+y',
-      'forward': '+z',
+      'up': _signed(up),
+      'forward': _signed(forward),
       'drop_first_frame': True,
       'subject_regex': cmu['subject_regex'],
       'default_split': SPLIT_FILE,
       'reference_pose': {n: [float(x) for x in angles[j]] for j, n in enumerate(names)},
   }
+
+
+def _signed(axis: str) -> str:
+  axis = axis.strip().lower()
+  return axis if axis[0] in '+-' else '+' + axis
 
 
 def split_doc(records: Sequence[dict]) -> dict:
@@ -257,10 +284,12 @@ def split_doc(records: Sequence[dict]) -> dict:
 def rerig_directory(input_dir: str | os.PathLike, output: str | os.PathLike,
                     files: Sequence[str] | None = None, seed: int = 0, order: str = 'XZY',
                     units: str = 'cm', bind: str = 'bone_x', precision: int | None = 6,
+                    up: str = 'y', forward: str = 'z',
                     log=lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
   """The whole command (module docstring). Returns the manifest written as rerig.json."""
   input_dir, output = Path(input_dir), Path(output)
   units_m = parse_units(units)
+  V = world(up, forward)
   if files:
     paths = [input_dir / (f if f.endswith('.bvh') else f'{f}.bvh') for f in files]
     missing = [str(p) for p in paths if not p.is_file()]
@@ -279,16 +308,17 @@ def rerig_directory(input_dir: str | os.PathLike, output: str | os.PathLike,
     head = bvh.read_bvh(src)
     if (head.names, head.parents) != (names, parents):
       raise RerigError(f'{src}: hierarchy differs from {paths[0]}')
-    rec = rerig_file(src, output / src.name, binds, order, units_m, seed, precision)
+    rec = rerig_file(src, output / src.name, binds, order, units_m, seed, precision, V)
     records.append(rec)
     log(f'{src.name}: re-rigged, FK max error {rec["fk_max_error_m"]:.2e} m')
   rig = rerigged_rig(binds, names)
   atomic.write_text(output / RIG_FILE, json.dumps(rig.to_json(), indent=1))
   all_names = (DUMMY_ROOT,) + tuple(names)
-  atomic.write_json(output / JOINT_MAP, joint_map_doc(binds, names, parents, order, units_m),
-                    indent=1)
+  atomic.write_json(output / JOINT_MAP, joint_map_doc(binds, names, parents, order, units_m,
+                                                     up, forward), indent=1)
   atomic.write_json(output / SPLIT_FILE, split_doc(records), indent=1)
   manifest = {'seed': seed, 'order': order.upper(), 'units_m': units_m, 'bind': bind,
+              'up': _signed(up), 'forward': _signed(forward),
               'precision': precision, 'joints': list(all_names), 'input': str(input_dir),
               'binds_wxyz': {n: [float(x) for x in q]
                              for n, q in zip(names, skeleton.quat_from_matrix_np(binds))},
@@ -308,6 +338,8 @@ def define_flags() -> None:
   flags.DEFINE_string('units', 'cm', 'Output units (metres per unit or a unit name).')
   flags.DEFINE_enum('bind', 'bone_x', ['bone_x', 'random'], 'Bind convention.')
   flags.DEFINE_integer('precision', 6, 'Decimals of the motion values (-1: exact).')
+  flags.DEFINE_string('up', 'y', 'Up axis of the output world (x, y, z, -x, ...).')
+  flags.DEFINE_string('forward', 'z', 'Axis the rest body faces in the output world.')
 
 
 def main(argv):
@@ -319,7 +351,7 @@ def main(argv):
   try:
     m = rerig_directory(F.input, F.output, F.files, F.seed, F.order,
                         F.units, F.bind,
-                        None if F.precision < 0 else F.precision)
+                        None if F.precision < 0 else F.precision, F.up, F.forward)
   except (RerigError, bvh.BVHError, ValueError, OSError) as e:
     raise SystemExit(f'rerig: error: {e}') from None
   print(f'wrote {len(m["files"])} files to {F.output} (max FK error '

@@ -330,6 +330,38 @@ def test_rerigged_files_convert_with_rig_auto(rerig_dir, tmp_path):
   assert ds.rig.has_reference_pose and ds.rig.mirror_asymmetry()[0] < 15
 
 
+def test_rerig_in_blenders_world_converts_to_the_same_shards(rerig_dir, tmp_path, cmu_dir):
+  """`--up=z --forward=-y`: the same files turned into a z-up world facing -y (every joint at
+  V p); converted with the joint map it writes (or --rig=auto with those axes), the shards are
+  the y-up files' to float64 round-off of the text; --rig=auto without them warns."""
+  out, _ = rerig_dir
+  z = tmp_path / 'z'
+  manifest = rerig.rerig_directory(cmu_dir, z, files=['07_12'], seed=0, up='z', forward='-y',
+                                   log=quiet)
+  assert manifest['files'][0]['fk_max_error_m'] < rerig.FK_TOL_M
+  V = rerig.world('z', '-y')
+  m_y, m_z = bvh.read_bvh(out / '07_12.bvh'), bvh.read_bvh(z / '07_12.bvh')
+  np.testing.assert_allclose(bvh.naive_fk_np(m_z, 0.01), bvh.naive_fk_np(m_y, 0.01) @ V.T,
+                             atol=1e-6)
+  for rig, kw in (('map', {}), ('auto', dict(units='auto', prune=FINGERS, drop_first_frame=True,
+                                            reference_pose='first_frame', split='all'))):
+    spec = (lambda d: str(d / rerig.JOINT_MAP)) if rig == 'map' else (lambda d: 'auto')
+    for name, src, axes in (('y', out, {}), ('z', z, dict(up='z', forward='-y'))):
+      conversion.convert(src / '07_12.bvh', spec(src), tmp_path / f'{rig}_{name}', log=quiet,
+                         **kw, **axes)
+    split = 'test' if rig == 'map' else 'all'
+    a = data.load_shards(tmp_path / f'{rig}_y', split)
+    b = data.load_shards(tmp_path / f'{rig}_z', split)
+    np.testing.assert_allclose(b.positions, a.positions, atol=POS_TOL)
+    np.testing.assert_allclose(b.local_rot, a.local_rot, atol=ANGLE_TOL)
+    np.testing.assert_allclose(b.offsets, a.offsets, atol=POS_TOL)
+  lines = []
+  conversion.convert(z / '07_12.bvh', 'auto', tmp_path / 'auto_z_as_y', log=lines.append,
+                     units='auto', prune=FINGERS, drop_first_frame=True,
+                     reference_pose='first_frame', split='all')
+  assert any(ln.startswith('WARNING') and "files' z axis" in ln for ln in lines), lines
+
+
 @pytest.mark.parametrize('space', ['mixed', 'local'])
 def test_bone_chart_targets_are_the_same_on_every_rig(clip, rerigged, space):
   """`ModelConfig.bone_chart`: the network's targets (hence what it must learn, and what its
