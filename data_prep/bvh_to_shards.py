@@ -11,7 +11,9 @@ Example (the CMU data: 88 files -> 27155 frames at 30 fps, about 15 s on 2 CPU c
 
 - `--rig=NAME` uses ik_gat_jax/io/joint_maps/NAME.json (its rig, units, axes, committed split);
   `--rig=FILE.json` a joint map of your own (schema: ik_gat_jax/io/joint_maps/schema.json);
-  `--rig=auto` derives the rig from the files (needs --units) and writes it as DIR/rig.json.
+  `--rig=auto` derives the rig from the files (needs --units) and writes it as DIR/rig.json: a
+  y-up rig facing +z, the files read as `--up` (default y) and `--forward` (default z); it
+  warns when the bodies extend most along another axis (files of another up: pass their axes).
 - `--split=auto` puts each file where the joint map's committed split (or --split_file) says and
   refuses files it does not list; `--split=NAME` puts every input file in split NAME.
 - Running again with the same --output adds the new files (same rig and fps required); files
