@@ -113,6 +113,7 @@ from ik_gat_jax import kinematics
 from ik_gat_jax import model as model_lib
 from ik_gat_jax import padding
 from ik_gat_jax import prior_task
+from ik_gat_jax import root_calibration as root_calibration_lib
 from ik_gat_jax import temporal
 from ik_gat_jax import vposer
 from ik_gat_jax import windows
@@ -648,8 +649,13 @@ class IKSolver:
                block_size: int = DEFAULT_BLOCK, source: str | None = None,
                refine_iters: int = 0, temporal_filter: temporal.FilterConfig | None = None,
                fps: float = 30.0, refine_prior=None, mirror: bool = False,
-               workers: int | None = None, hold_missing: bool = False):
+               workers: int | None = None, hold_missing: bool = False,
+               root_calibration: bool = False):
     self.rig: Rig = model.rig
+    # The subject's root bias measured on its own frames (root_calibration.py): a clip's over
+    # all of them, a stream's (`step` / `solve_stream`) over those so far, in `_root_bias`.
+    self.root_calibration = bool(root_calibration)
+    self._root_bias = root_calibration_lib.RootBias()
     # Tracker dropouts (NaN joints) held from earlier frames (`hold_missing_joints`); the
     # stream's state for `step` / `solve_stream` in `_held` (`reset`).
     self.hold_missing = bool(hold_missing)
@@ -772,7 +778,8 @@ class IKSolver:
                       refine_prior: str | os.PathLike | None = 'shipped',
                       mirror: bool = False, workers: int | None = None,
                       matmul_precision: str = 'float32',
-                      hold_missing: bool = False) -> 'IKSolver':
+                      hold_missing: bool = False,
+                      root_calibration: bool = False) -> 'IKSolver':
     """Loads a run directory or checkpoint (None: `inference.SHIPPED_IKGAT`).
 
     `offsets [J, 3]` (metres) or `offsets_from` (a BVH: its rest offsets reduced to the rig,
@@ -804,6 +811,9 @@ class IKSolver:
     val and test (BENCHMARKS.md, issue N session 31). `hold_missing`: NaN joints of clips and
     streams (tracker dropouts) take their last seen offset from the root, moved with the root
     (`hold_missing_joints`), for checkpoints without joint masks, which otherwise refuse them.
+    `root_calibration`: the root turned by the subject's root bias, measured on the input's
+    own frames (root_calibration.py: all of a clip's, a stream's so far), after any filter;
+    lower error for a subject whose hips sit unlike the training subjects'.
     """
     if offsets is not None and offsets_from is not None:  # before the (slow) model load
       raise InputError('give offsets or offsets_from, not both')
@@ -834,7 +844,8 @@ class IKSolver:
     prior = _refine_prior(refine_prior, model.rig) if refine_iters > 0 else None
     return cls(model, meta, offsets=offsets, block_size=block_size, source=str(path),
                refine_iters=refine_iters, temporal_filter=temporal_filter, fps=fps,
-               refine_prior=prior, mirror=mirror, workers=workers, hold_missing=hold_missing)
+               refine_prior=prior, mirror=mirror, workers=workers, hold_missing=hold_missing,
+               root_calibration=root_calibration)
 
   # -- offsets ------------------------------------------------------------------------------
 
@@ -1084,6 +1095,10 @@ class IKSolver:
     out = self._solve_chunks(pos, subject, full, progress, sparse)
     if self.temporal_filter.active and len(pos) > 1:
       out = self._filter_clip(out, pos, subject)
+    if self.root_calibration:
+      local, _ = root_calibration_lib.calibrate_clip(out['local_rot'], pos, off, self.rig)
+      root = out['positions_fk'][:, 0] if 'positions_fk' in out else pos[:, 0]  # refined: fitted
+      out = self._with_local(out, local, root, subject)
     if not full:
       return out['local_rot'][0] if single else out['local_rot']
     return Solution(positions=pos.astype(np.float32), offsets=np.array(off),  # the caller's copy
@@ -1156,14 +1171,21 @@ class IKSolver:
   def _filter_clip(self, out: dict[str, np.ndarray], pos: np.ndarray,
                    subject) -> dict[str, np.ndarray]:
     """The temporal filter over a whole clip (fresh state); FK outputs from the filtered R."""
-    T = len(pos)
-    local = temporal.filter_clips(out['local_rot'], np.zeros(T), self.temporal_filter, self.fps)
-    new = {'local_rot': local}
+    local = temporal.filter_clips(out['local_rot'], np.zeros(len(pos)), self.temporal_filter,
+                                  self.fps)
+    return self._with_local(out, local, pos[:, 0], subject)
+
+  def _with_local(self, out: dict[str, np.ndarray], local: np.ndarray, root: np.ndarray,
+                  subject) -> dict[str, np.ndarray]:
+    """`out` with new local rotations and, where `out` has them, the FK outputs from them
+    (the root at `root [T, 3]`)."""
+    T = len(root)
+    new = {'local_rot': np.asarray(local, np.float32)}
     if 'global_rot' in out:
       L = padding.power_of_two(T)  # padded: few compiled shapes
       pad = lambda a: jnp.asarray(padding.pad_rows(a, L), jnp.float32)
       off, B, _ = subject
-      G, p = _fk_jit(pad(local), off, pad(pos[:, 0]), self.rig)
+      G, p = _fk_jit(pad(local), off, pad(root), self.rig)
       new.update(global_rot=np.asarray(G)[:T], bone_aligned_rot=np.asarray(G @ B)[:T],
                  positions_fk=np.asarray(p)[:T])
     return new
@@ -1187,10 +1209,12 @@ class IKSolver:
     return np.asarray(out)[:n]
 
   def reset(self) -> None:
-    """Starts a new stream: the temporal filter, a window model's past frames and the held
-    joints (`hold_missing`) forget the frames `step`/`solve_stream` saw."""
+    """Starts a new stream: the temporal filter, a window model's past frames, the held
+    joints (`hold_missing`) and the root bias (`root_calibration`) forget the frames
+    `step`/`solve_stream` saw."""
     self._filter_state = None
     self._held = None
+    self._root_bias = root_calibration_lib.RootBias()
     if self._history is not None:
       self._history.reset()
 
@@ -1213,6 +1237,19 @@ class IKSolver:
     1.4-1.9x faster on two cores (`inference.start_live_backend`; BENCHMARKS.md, issue N
     sessions 33-34).
     """
+    if self.root_calibration:  # the stream's root bias so far, this frame's included
+      pos = check_positions(frame, self.rig,
+                            allow_missing=self.supports_masks or self.hold_missing)[0]
+      if self.hold_missing and pos.shape[0] == 1:
+        pos = hold_missing_joints(pos, self._held, self.rig)[0]  # what _step will see
+      local = self._step(frame, offsets, mask, orientations, orientation_mask, end_sites)
+      off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
+      return self._root_bias.calibrate(local[None], pos, off, self.rig)[0]
+    return self._step(frame, offsets, mask, orientations, orientation_mask, end_sites)
+
+  def _step(self, frame, offsets=None, mask=None, orientations=None,
+            orientation_mask=None, end_sites=None) -> np.ndarray:
+    """`step` without the root calibration."""
     pos, _ = check_positions(frame, self.rig,
                              allow_missing=self.supports_masks or self.hold_missing)
     if pos.shape[0] != 1:
@@ -1311,6 +1348,8 @@ class IKSolver:
                          f'{self.block_size}; use solve() for clips')
       local = self._filter_stream(
           self._run(pos, subject, False, self._stream_history(pos))['local_rot'])
+      if self.root_calibration:
+        local = self._root_bias.calibrate(local, pos, off, self.rig)
       yield local[0] if single else local
 
   @property
@@ -1322,11 +1361,11 @@ class IKSolver:
 
   def latency_stats(self, n: int = 200, warmup: int = 5, frame=None) -> dict[str, float]:
     """Single-frame `step` latency (numpy in -> numpy out, compiled, synchronous, temporal
-    filter included), ms."""
+    filter and root calibration included), ms."""
     frame = (rest_positions_np(self.offsets, self.rig.parents) if frame is None
              else np.asarray(frame, np.float64))
     saved, held = self._filter_state, self._held  # the timing stream must not disturb the user's
-    saved_history = copy.deepcopy(self._history)
+    saved_history, bias = copy.deepcopy(self._history), copy.deepcopy(self._root_bias)
     for _ in range(warmup):
       self.step(frame)
     times = []
@@ -1335,6 +1374,7 @@ class IKSolver:
       self.step(frame)
       times.append(time.perf_counter() - t)
     self._filter_state, self._history, self._held = saved, saved_history, held
+    self._root_bias = bias
     ms = 1e3 * np.asarray(times)
     return {'n': int(n), 'median_ms': float(np.median(ms)),
             'p99_ms': float(np.percentile(ms, 99)), 'mean_ms': float(ms.mean()),

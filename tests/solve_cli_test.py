@@ -303,7 +303,9 @@ def test_bvh_output_keeps_the_input_names_orders_and_units(ckpt, cmu_dir, tmp_pa
   assert len(kept) >= 15
   got, want = out.offsets[col][kept], src.offsets[[index[names[j]] for j in kept]]
   assert (np.linalg.norm(got - want, axis=-1) <= 1e-6 * np.linalg.norm(want, axis=-1)).all()
-  np.testing.assert_allclose(cm.offsets * 0.01, out.offsets * inch, rtol=1e-12, atol=1e-15)
+  # Both files' OFFSETs carry 9 significant digits (a float32's; exports.solution_bvh): each
+  # within 5e-9 of the same metres, relative.
+  np.testing.assert_allclose(cm.offsets * 0.01, out.offsets * inch, rtol=1e-8, atol=1e-15)
   # Read back: the exact FK of the rotations nearest the float32 solution's (what the writer
   # converts) within the 6-decimal text bound, and the solution's own float32 FK within that
   # plus the float32 bound.
