@@ -3,10 +3,10 @@
 The network sees positions only, never the subject's rest offsets, so a subject whose hips sit
 unlike the training subjects' (the hip joints' rest directions from the root) gets its root
 rotation off by a nearly constant rotation, and with it the local rotations of the root's
-children (which are relative to the root). Measured with the shipped checkpoint on CMU val and
-test: the root's error per subject is mostly such a constant (test subject 03: 3.7 of 3.7 deg;
-subjects 06 and 08: 1.8 and 3.0 deg), and on a subject unlike all 5 training subjects (a rig
-trained by `experiments.train_rig` on CMU re-rigged, subject 01 held out) 14.9 of 15.4 deg.
+children (which are relative to the root). Removing it lowers the shipped checkpoint's root
+error on the CMU test split from 2.02 to 0.89 deg, and on a rig trained by
+`experiments.train_rig` whose held-out subject is unlike its training subjects from 15.6 to 8.1
+deg (BENCHMARKS.md "Root calibration", with the commands).
 
 The root's rotation is also the rigid rotation taking the subject's rest offsets of the root's
 children to their observed directions, `v_c = p_c - p_root = G_root o_c` (a Kabsch fit; exact on
