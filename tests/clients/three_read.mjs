@@ -83,7 +83,8 @@ out.bind = bind;
 for (const frame of frames) {
   mixer.setTime(clip.tracks[0].times[frame]);
   root.updateMatrixWorld(true);
-  const entry = { frame, time: clip.tracks[0].times[frame], position: [], quaternion: [], skinned: null };
+  const entry = { frame, time: clip.tracks[0].times[frame], position: [], quaternion: [],
+                  skinned: null };
   for (const b of bones) {
     b.getWorldPosition(v);
     b.getWorldQuaternion(q);
