@@ -117,6 +117,34 @@ class RootBias:
 
   def __init__(self):
     self.total = np.zeros((3, 3))
+    # Per subject: (offsets' bytes, the fit's children, their rest offsets, the root's children).
+    self._kids: tuple[bytes, tuple[int, ...], np.ndarray, list[int]] | None = None
+
+  def calibrate_frame(self, local_rot: np.ndarray, positions: np.ndarray,
+                      offsets: np.ndarray, rig: Rig) -> np.ndarray:
+    """`calibrate` of one frame, `[J, 3, 3]` and `[J, 3]`: the same numbers, the subject's
+    children and rest offsets kept between frames (a live frame's cost: BENCHMARKS.md)."""
+    offsets = np.asarray(offsets)
+    key = offsets.tobytes()
+    if self._kids is None or self._kids[0] != key:
+      kids = root_children(offsets, rig)
+      self._kids = (key, kids, np.asarray(offsets, np.float64)[list(kids)],
+                    list(rig.children[0]))
+    _, kids, o, kids_all = self._kids
+    local_rot = np.asarray(local_rot)
+    if kids:
+      p = np.asarray(positions, np.float64)
+      v = p[list(kids)] - p[0]
+      if np.isfinite(v).all() and np.isfinite(local_rot[0]).all():
+        G = _nearest_rotation_3x3(v.T @ o)  # sum_c v_c o_c^T
+        self.total = self.total + local_rot[0].T.astype(np.float64) @ G
+    if not self.total.any():
+      return local_rot
+    E = _nearest_rotation_3x3(self.total)
+    out = local_rot.copy()
+    out[0] = local_rot[0] @ E
+    out[kids_all] = E.T @ local_rot[kids_all]
+    return out
 
   def calibrate(self, local_rot: np.ndarray, positions: np.ndarray, offsets: np.ndarray,
                 rig: Rig) -> np.ndarray:
@@ -127,3 +155,13 @@ class RootBias:
     self.total = running[-1]
     E = np.stack([mean_bias(s[None]) for s in running])
     return apply_bias(local_rot, E, rig).astype(np.asarray(local_rot).dtype)
+
+
+def _nearest_rotation_3x3(M: np.ndarray) -> np.ndarray:
+  """`nearest_rotation` of one `[3, 3]`, without the batch machinery (a live frame's path)."""
+  U, _, Vt = np.linalg.svd(M)
+  R = U @ Vt
+  if np.linalg.det(R) < 0:  # a reflection: flip the least singular direction
+    U[:, 2] = -U[:, 2]
+    R = U @ Vt
+  return R

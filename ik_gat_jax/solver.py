@@ -656,6 +656,7 @@ class IKSolver:
     # all of them, a stream's (`step` / `solve_stream`) over those so far, in `_root_bias`.
     self.root_calibration = bool(root_calibration)
     self._root_bias = root_calibration_lib.RootBias()
+    self._step_pos = None  # the frame `_step` solved last (rig metres, dropouts held)
     # Tracker dropouts (NaN joints) held from earlier frames (`hold_missing_joints`); the
     # stream's state for `step` / `solve_stream` in `_held` (`reset`).
     self.hold_missing = bool(hold_missing)
@@ -1237,19 +1238,15 @@ class IKSolver:
     1.4-1.9x faster on two cores (`inference.start_live_backend`; BENCHMARKS.md, issue N
     sessions 33-34).
     """
-    if self.root_calibration:  # the stream's root bias so far, this frame's included
-      pos = check_positions(frame, self.rig,
-                            allow_missing=self.supports_masks or self.hold_missing)[0]
-      if self.hold_missing and pos.shape[0] == 1:
-        pos = hold_missing_joints(pos, self._held, self.rig)[0]  # what _step will see
-      local = self._step(frame, offsets, mask, orientations, orientation_mask, end_sites)
-      off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
-      return self._root_bias.calibrate(local[None], pos, off, self.rig)[0]
-    return self._step(frame, offsets, mask, orientations, orientation_mask, end_sites)
+    local = self._step(frame, offsets, mask, orientations, orientation_mask, end_sites)
+    if not self.root_calibration:
+      return local
+    off = self.offsets if offsets is None else offsets  # checked by `_step`
+    return self._root_bias.calibrate_frame(local, self._step_pos[0], off, self.rig)
 
   def _step(self, frame, offsets=None, mask=None, orientations=None,
             orientation_mask=None, end_sites=None) -> np.ndarray:
-    """`step` without the root calibration."""
+    """`step` without the root calibration (the frame it solved in `_step_pos`)."""
     pos, _ = check_positions(frame, self.rig,
                              allow_missing=self.supports_masks or self.hold_missing)
     if pos.shape[0] != 1:
@@ -1258,6 +1255,7 @@ class IKSolver:
                        'for batches')
     if self.hold_missing:  # the stream's dropouts filled from its earlier frames
       pos, self._held = hold_missing_joints(pos, self._held, self.rig)
+    self._step_pos = pos
     sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
     if offsets is None and sparse is None and self._history is None:  # the common live frame
       if self._stream_step is None:  # one argument, one call
