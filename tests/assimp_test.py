@@ -39,7 +39,6 @@ from ik_gat_jax.io import gltf as gltf_lib
 
 FPS = 30.0  # solved_07_05's (conftest.py)
 NO_ASSIMP = 'assimp not on PATH; apt-get install assimp-utils'
-ORDERS = ('XYZ', 'XZY', 'YXZ', 'YZX', 'ZXY', 'ZYX')
 
 
 @pytest.fixture(scope='module')
@@ -149,12 +148,10 @@ def check_scene(scene: dict, rig, positions: np.ndarray, rotations: np.ndarray, 
 
 
 @pytest.mark.parametrize('orders', ['ZYX', 'mixed'])
-def test_bvh(assimp_exe, solved, tmp_path, orders):
+def test_bvh(assimp_exe, solved, tmp_path, orders, write_bvh_in_orders):
   sol, rig = solved
-  per_joint = None if orders == 'ZYX' else [ORDERS[j % 6] for j in range(rig.num_joints)]
-  path = tmp_path / 'clip.bvh'
-  exports.write_solution_bvh(path, sol, rig, FPS, units='cm', orders=per_joint)
-  scene = assimp_scene(assimp_exe, path, tmp_path)
+  write_bvh_in_orders(tmp_path / 'clip.bvh', sol, rig, FPS, orders)
+  scene = assimp_scene(assimp_exe, tmp_path / 'clip.bvh', tmp_path)
   check_scene(scene, rig, np.asarray(sol.positions_fk), np.asarray(sol.global_rot), FPS, 0.01)
 
 

@@ -134,6 +134,21 @@ def z_up_copy():
 
 
 @pytest.fixture(scope='session')
+def write_bvh_in_orders():
+  """`write(path, sol, rig, fps, orders)`: the solution's BVH in centimetres, every joint's
+  rotation channels ZYX (`orders='ZYX'`) or joint j's the j-th of the six orders in turn
+  (`orders='mixed'`); the client tests read both."""
+  from ik_gat_jax.io import exports  # pylint: disable=import-outside-toplevel
+  six = ('XYZ', 'XZY', 'YXZ', 'YZX', 'ZXY', 'ZYX')
+
+  def write(path, sol, rig, fps: float, orders: str) -> None:
+    per_joint = None if orders == 'ZYX' else [six[j % 6] for j in range(rig.num_joints)]
+    exports.write_solution_bvh(path, sol, rig, fps, units='cm', orders=per_joint)
+
+  return write
+
+
+@pytest.fixture(scope='session')
 def write_fbx_or_skip():
   """`write(path, sol, rig, fps)`: the solution's FBX, written by Blender; the test skips where
   Blender is missing or its Python cannot import numpy and ours cannot lend it (io/blender.py's
