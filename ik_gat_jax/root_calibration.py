@@ -6,7 +6,7 @@ rotation off by a nearly constant rotation, and with it the local rotations of t
 children (which are relative to the root). Removing it lowers the shipped checkpoint's root
 error on the CMU test split from 2.02 to 0.89 deg, and on a rig trained by
 `experiments.train_rig` whose held-out subject is unlike its training subjects from 15.6 to 8.1
-deg (BENCHMARKS.md "Root calibration", with the commands).
+deg (BENCHMARKS.md "Another lab's rig in Blender's world", with the commands).
 
 The root's rotation is also the rigid rotation taking the subject's rest offsets of the root's
 children to their observed directions, `v_c = p_c - p_root = G_root o_c` (a Kabsch fit; exact on
