@@ -42,11 +42,9 @@ MIN_SPAN = 0.05      # |d_a x d_b| of the children's unit rest directions: they 
 def nearest_rotation(M: np.ndarray) -> np.ndarray:
   """The rotations `[..., 3, 3]` nearest `M` in the Frobenius norm (SVD, det +1)."""
   U, _, Vt = np.linalg.svd(M)
-  d = np.sign(np.linalg.det(U @ Vt))
-  D = np.zeros(M.shape)
-  D[..., 0, 0] = D[..., 1, 1] = 1.0
-  D[..., 2, 2] = np.where(d == 0, 1.0, d)
-  return U @ D @ Vt
+  flip = np.linalg.det(U @ Vt) < 0  # a reflection: turn the least singular direction
+  U[..., :, 2] *= np.where(flip, -1.0, 1.0)[..., None]
+  return U @ Vt
 
 
 def root_children(offsets: np.ndarray, rig: Rig) -> tuple[int, ...]:
@@ -70,10 +68,11 @@ def fitted_root(positions: np.ndarray, offsets: np.ndarray,
 
 
 def bias_terms(root_rot: np.ndarray, positions: np.ndarray, offsets: np.ndarray,
-               rig: Rig) -> np.ndarray:
-  """`[T, 3, 3]` per frame `E_t = G_net,t^T G_fit,t`, zero for frames without a fit."""
+               rig: Rig, kids: Sequence[int] | None = None) -> np.ndarray:
+  """`[T, 3, 3]` per frame `E_t = G_net,t^T G_fit,t`, zero for frames without a fit.
+  `kids`: `root_children(offsets, rig)`, when the caller has it."""
   T = len(root_rot)
-  kids = root_children(offsets, rig)
+  kids = tuple(root_children(offsets, rig) if kids is None else kids)
   if not kids:
     return np.zeros((T, 3, 3))
   positions = np.asarray(positions, np.float64)
@@ -92,13 +91,15 @@ def mean_bias(terms: np.ndarray) -> np.ndarray:
   return np.eye(3) if not np.any(S) else nearest_rotation(S)
 
 
-def apply_bias(local_rot: np.ndarray, E: np.ndarray, rig: Rig) -> np.ndarray:
+def apply_bias(local_rot: np.ndarray, E: np.ndarray, rig: Rig,
+               kids: Sequence[int] | None = None) -> np.ndarray:
   """Local rotations `[T, J, 3, 3]` with the root turned by `E` (`[3, 3]`, or `[T, 3, 3]` per
-  frame) and its children's world rotations kept: `R_0 E`, `E^T R_c`."""
+  frame) and its children's world rotations kept: `R_0 E`, `E^T R_c`. `kids`: the root's
+  children (`rig.children[0]`), when the caller has them."""
   out = np.array(local_rot, copy=True)
   E = np.asarray(E, np.float64)
   out[:, 0] = out[:, 0] @ E
-  kids = list(rig.children[0])
+  kids = list(rig.children[0] if kids is None else kids)
   Et = np.swapaxes(E, -1, -2)
   out[:, kids] = (Et[:, None] if Et.ndim == 3 else Et) @ out[:, kids]
   return out
@@ -117,51 +118,25 @@ class RootBias:
 
   def __init__(self):
     self.total = np.zeros((3, 3))
-    # Per subject: (offsets' bytes, the fit's children, their rest offsets, the root's children).
-    self._kids: tuple[bytes, tuple[int, ...], np.ndarray, list[int]] | None = None
-
-  def calibrate_frame(self, local_rot: np.ndarray, positions: np.ndarray,
-                      offsets: np.ndarray, rig: Rig) -> np.ndarray:
-    """`calibrate` of one frame, `[J, 3, 3]` and `[J, 3]`: the same numbers, the subject's
-    children and rest offsets kept between frames (a live frame's cost: BENCHMARKS.md)."""
-    offsets = np.asarray(offsets)
-    key = offsets.tobytes()
-    if self._kids is None or self._kids[0] != key:
-      kids = root_children(offsets, rig)
-      self._kids = (key, kids, np.asarray(offsets, np.float64)[list(kids)],
-                    list(rig.children[0]))
-    _, kids, o, kids_all = self._kids
-    local_rot = np.asarray(local_rot)
-    if kids:
-      p = np.asarray(positions, np.float64)
-      v = p[list(kids)] - p[0]
-      if np.isfinite(v).all() and np.isfinite(local_rot[0]).all():
-        G = _nearest_rotation_3x3(v.T @ o)  # sum_c v_c o_c^T
-        self.total = self.total + local_rot[0].T.astype(np.float64) @ G
-    if not self.total.any():
-      return local_rot
-    E = _nearest_rotation_3x3(self.total)
-    out = local_rot.copy()
-    out[0] = local_rot[0] @ E
-    out[kids_all] = E.T @ local_rot[kids_all]
-    return out
+    # The subject's (offsets' bytes, `root_children`, the root's children), kept between calls:
+    # computed per call they were half of a live frame's calibration.
+    self._subject: tuple[bytes, tuple[int, ...], list[int]] | None = None
 
   def calibrate(self, local_rot: np.ndarray, positions: np.ndarray, offsets: np.ndarray,
                 rig: Rig) -> np.ndarray:
     """The next frames `[n, J, 3, 3]`, each corrected by the mean bias up to and including
-    itself."""
-    terms = bias_terms(np.asarray(local_rot)[:, 0], positions, offsets, rig)
-    running = self.total + np.cumsum(terms, axis=0)
+    itself (`calibrate_clip`'s terms, summed as they come)."""
+    offsets = np.asarray(offsets)
+    key = offsets.tobytes()
+    if self._subject is None or self._subject[0] != key:
+      self._subject = (key, root_children(offsets, rig), list(rig.children[0]))
+    _, fit, kids = self._subject
+    local_rot = np.asarray(local_rot)
+    running = self.total + np.cumsum(bias_terms(local_rot[:, 0], positions, offsets, rig, fit),
+                                     axis=0)
     self.total = running[-1]
-    E = np.stack([mean_bias(s[None]) for s in running])
-    return apply_bias(local_rot, E, rig).astype(np.asarray(local_rot).dtype)
-
-
-def _nearest_rotation_3x3(M: np.ndarray) -> np.ndarray:
-  """`nearest_rotation` of one `[3, 3]`, without the batch machinery (a live frame's path)."""
-  U, _, Vt = np.linalg.svd(M)
-  R = U @ Vt
-  if np.linalg.det(R) < 0:  # a reflection: flip the least singular direction
-    U[:, 2] = -U[:, 2]
-    R = U @ Vt
-  return R
+    E = np.broadcast_to(np.eye(3), running.shape).copy()
+    some = running.any(axis=(1, 2))  # frames after at least one fit
+    if some.any():
+      E[some] = nearest_rotation(running[some])
+    return apply_bias(local_rot, E, rig, kids).astype(local_rot.dtype)

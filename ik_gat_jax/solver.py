@@ -1242,7 +1242,7 @@ class IKSolver:
     if not self.root_calibration:
       return local
     off = self.offsets if offsets is None else offsets  # checked by `_step`
-    return self._root_bias.calibrate_frame(local, self._step_pos[0], off, self.rig)
+    return self._root_bias.calibrate(local[None], self._step_pos, off, self.rig)[0]
 
   def _step(self, frame, offsets=None, mask=None, orientations=None,
             orientation_mask=None, end_sites=None) -> np.ndarray:

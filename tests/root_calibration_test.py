@@ -125,5 +125,15 @@ def test_evaluation_calibrates_each_file(cmu_shards):
   off = evaluation.evaluate(method, ds, ds.rig, max_frames=200)
   on = evaluation.evaluate(method, ds, ds.rig, max_frames=200, root_calibration=True)
   assert on['root_calibration'] and not off['root_calibration']
-  assert on['local_rot_err_deg'] != off['local_rot_err_deg']
   assert on['frames'] == off['frames']
+  # Clean input: the hips' fit is exact, so the root keeps only the network's error around its
+  # mean over the file, below the error itself (07_02: the shipped model's root bias on the
+  # unseen subject 07).
+  print(f"07_02 root error {off['root_rot_err_deg']:.3f} -> {on['root_rot_err_deg']:.3f} deg")
+  assert on['root_rot_err_deg'] < off['root_rot_err_deg']
+  # Only the root and its children move: every other joint's error is unchanged.
+  moved = {'Hips', *(RIG.joint_names[c] for c in RIG.children[0])}
+  for name, e in off['per_joint'].items():
+    if name not in moved:
+      assert on['per_joint'][name]['local_rot_err_deg'] == pytest.approx(
+          e['local_rot_err_deg'], abs=1e-6), name
