@@ -3,7 +3,7 @@
   python -m experiments.evaluate --data=DIR --split=test \
       --method=ikgat|iterative|iterative_noprior|swing|mean_pose [--checkpoint=DIR] [--prior=DIR] \
       [--iters=N] [--warm_start] [--noise_mm=S] [--max_frames=N] [--refine_iters=N] \
-      [--[no]refine_prior] [--mirror] [--root_calibration] \
+      [--[no]refine_prior] [--mirror] [--subject_calibration] \
       [--matmul_precision=float32|bfloat16] \
       [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B] \
       [--trackers=full|6|10|A,B,C] [--joint_dropout=P] [--orientations=A,B,C] [--end_sites] \
@@ -71,9 +71,10 @@ _FIT_TRANSLATION = flags.DEFINE_boolean('fit_translation', None, 'Fit the root t
                                         '(least squares) instead of taking the input root '
                                         'joint\'s: iterative solvers (default: off) and the '
                                         'refinement (default: on).')
-_ROOT_CAL = flags.DEFINE_boolean('root_calibration', False, 'Turn each file\'s root by its '
-                                  'subject\'s root bias, measured on the file\'s input frames '
-                                  '(ik_gat_jax/root_calibration.py).')
+_SUBJECT_CAL = flags.DEFINE_boolean('subject_calibration', False, 'Turn the joints whose '
+                                    'children branch (the root, the chest) by each file\'s '
+                                    'subject\'s biases there, measured on the file\'s input '
+                                    'frames (ik_gat_jax/subject_calibration.py).')
 _WARM = flags.DEFINE_boolean('warm_start', False, 'Warm start over windows of each clip.')
 _NOISE = flags.DEFINE_float('noise_mm', 0.0, 'Gaussian input noise per coordinate (mm).')
 _MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate at most this many frames.')
@@ -148,7 +149,7 @@ def main(argv):
                                    _TRACKERS.value, _JOINT_DROPOUT.value,
                                    tuple(_ORIENTATIONS.value), _SEED.value,
                                    end_sites=_END_SITES.value),
-                               root_calibration=_ROOT_CAL.value)
+                               subject_calibration=_SUBJECT_CAL.value)
   result['command'] = provenance.command_line()
   print(evaluation.markdown_table(result))
   atomic.write_json(out, result)

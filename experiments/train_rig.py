@@ -13,8 +13,9 @@ it stopped; the trainer resumes a half-finished run from its latest checkpoint):
   2 ikgat     IK-GAT (experiments/configs/default.py, --size, --steps) -> WORKDIR/ikgat
   3 prior     the VPoser-style prior (experiments/configs/prior.py, --prior_steps) ->
               WORKDIR/prior (+ prior_report.json)
-  4 evaluate  ikgat, iterative (with that prior), swing, mean_pose on the test split (val when
-              there is none, train when there is neither) -> WORKDIR/eval/METHOD.json, table.md
+  4 evaluate  ikgat, ikgat_calibrated (the same with the subject calibration), iterative (with
+              that prior), swing, mean_pose on the test split (val when there is none, train
+              when there is neither) -> WORKDIR/eval/METHOD.json, table.md
   5 export    the IK-GAT best checkpoint with its card -> --export (default WORKDIR/checkpoint)
 WORKDIR/train_rig.json records the options and every stage's status; a line is printed when a
 stage starts, finishes or is skipped.
@@ -68,7 +69,7 @@ from ik_gat_jax.io import atomic, retarget
 
 CONFIG_DIR = Path(__file__).resolve().parent / 'configs'
 STAGES = ('convert', 'ikgat', 'prior', 'evaluate', 'export')
-EVAL_METHODS = ('ikgat', 'iterative', 'swing', 'mean_pose')
+EVAL_METHODS = ('ikgat', 'ikgat_calibrated', 'iterative', 'swing', 'mean_pose')
 SPLIT_RULES = ('auto', 'subject', 'file')
 MANIFEST = 'train_rig.json'
 Log = Callable[[str], None]
@@ -304,6 +305,8 @@ def _evaluate(o: Options, w: Path, m: Manifest, log: Log, tag: str) -> dict:
   split = eval_split(shards)
   base = {'split': split, 'eval_frames': o.eval_frames}
   keys = {'ikgat': {**base, 'ikgat': _best(w / 'ikgat', 'ikgat')},
+          'ikgat_calibrated': {**base, 'ikgat': _best(w / 'ikgat', 'ikgat'),
+                               'subject_calibration': True},
           'iterative': {**base, 'iters': o.iters, 'prior': _best(w / 'prior', 'pose_prior')},
           'swing': base, 'mean_pose': base}
   results = {}
@@ -327,10 +330,13 @@ def _evaluate(o: Options, w: Path, m: Manifest, log: Log, tag: str) -> dict:
     if name in results:
       log(f'{tag} evaluate: {name} already done ({out / (name + ".json")}), skipped')
       continue
+    calibrated = name == 'ikgat_calibrated'  # the solver's --subject_calibration
     method = evaluation.make_method(
-        name, ds.rig, train_data=train_data if name == 'mean_pose' else None,
+        'ikgat' if calibrated else name, ds.rig,
+        train_data=train_data if name == 'mean_pose' else None,
         checkpoint=w / 'ikgat', prior=w / 'prior', solver=iterative_ik.SolverConfig(iters=o.iters))
-    r = evaluation.evaluate(method, ds, ds.rig, max_frames=o.eval_frames)
+    r = evaluation.evaluate(method, ds, ds.rig, max_frames=o.eval_frames,
+                            subject_calibration=calibrated)
     r.update(command=provenance.command_line(), train_rig_key=keys[name])
     atomic.write_json(out / f'{name}.json', r)
     results[name] = r
@@ -350,7 +356,9 @@ def results_table(results: dict, ds) -> str:
       f'{ds.rig.name}: {ds.split} split, {len(ds)} frames, {len(files)} files '
       f'({", ".join(files[:8])}{" ..." if len(files) > 8 else ""})', '',
       evaluation.markdown_grid(evaluation.RESULT_COLUMNS, rows), '',
-      'ikgat: this run\'s IK-GAT (best val checkpoint); iterative: the VPoser-style solver with '
+      'ikgat: this run\'s IK-GAT (best val checkpoint); ikgat_calibrated: the same with '
+      '`--subject_calibration` (ik_gat_jax/subject_calibration.py); iterative: the VPoser-style '
+      'solver with '
       'this run\'s prior; swing: swing-only IK (a floor); mean_pose: the mean training pose (a '
       'floor). Local rotation errors in degrees, MPJPE in mm (DESIGN section 7).'])
 
@@ -387,7 +395,10 @@ def _card_extra(o: Options, w: Path, summary: dict, results: dict, export: Path,
             'The output BVH has the rig\'s joints with their source names (joints the rig '
             'left out, such as constant-rotation joints, are not written), the input BVH\'s '
             'rotation order per joint and its units (`--bvh_units=cm|m|NUMBER` to choose) and '
-            'the rig\'s y-up world.', '',
+            'the rig\'s y-up world. `--subject_calibration` measures each clip\'s subject\'s '
+            'constant biases at the joints whose children branch on the clip\'s own frames '
+            'and removes them (the ikgat_calibrated row above): for subjects unlike the '
+            'training ones.', '',
             f'Made by `{provenance.command_line()}` (workdir {w.absolute()}).']
   return '\n'.join(lines)
 

@@ -36,7 +36,7 @@ from ik_gat_jax import model as model_lib
 from ik_gat_jax import padding
 from ik_gat_jax import prior_task
 from ik_gat_jax import provenance
-from ik_gat_jax import root_calibration as root_calibration_lib
+from ik_gat_jax import subject_calibration as subject_calibration_lib
 from ik_gat_jax import temporal
 from ik_gat_jax import trackers
 from ik_gat_jax import vposer
@@ -133,7 +133,7 @@ def run_clips(method: Method, positions: np.ndarray, offsets: np.ndarray,
 def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
              noise_mm: float = 0.0, seed: int = 0,
              temporal_filter: temporal.FilterConfig | None = None,
-             sparse: SparseInputs | None = None, root_calibration: bool = False) -> dict:
+             sparse: SparseInputs | None = None, subject_calibration: bool = False) -> dict:
   """Runs `method` on `data` (a `data.Dataset`) and returns the result JSON object.
 
   `sparse` (issue G2): observed joints (tracker subset and/or random dropout: the others reach
@@ -144,9 +144,10 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
   before scoring; its time is part of `seconds` (its compile is not). Every result carries the
   jitter of the output and of the ground truth (`metrics.jitter_summary`).
 
-  `root_calibration`: each file's output (after any filter) turned by its subject's root bias,
-  measured on that file's input frames (`root_calibration.calibrate_clip`, as
-  `IKSolver(root_calibration=True)` does for a clip); its time is part of `seconds`.
+  `subject_calibration`: each file's output (after any filter) turned by its subject's biases
+  at the joints whose children branch, measured on that file's input frames
+  (`subject_calibration.calibrate_clip`, as `IKSolver(subject_calibration=True)` does for a
+  clip); its time is part of `seconds`.
   """
   idx = select_frames(data, max_frames)
   batch = {k: np.asarray(v) for k, v in
@@ -175,13 +176,13 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
     t = time.perf_counter()
     pred = filt()
     seconds += time.perf_counter() - t
-  if root_calibration:
+  if subject_calibration:
     t = time.perf_counter()
     seen = noisy if noisy.ndim == 3 else noisy[:, -1]  # a window model's current frames
     pred = np.array(pred)
     for f in np.unique(file_ids):
       rows = np.flatnonzero(file_ids == f)
-      pred[rows] = root_calibration_lib.calibrate_clip(pred[rows], seen[rows],
+      pred[rows] = subject_calibration_lib.calibrate_clip(pred[rows], seen[rows],
                                                        batch['offsets'][rows[0]], rig)[0]
     seconds += time.perf_counter() - t
   errors = metrics.compute_errors_batched(pred, batch['local_rot'], batch['offsets'],
@@ -190,7 +191,7 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
   result.update(seconds=seconds, compile_seconds=compile_s,
                 frames_per_s=len(idx) / max(seconds, 1e-9), noise_mm=noise_mm,
                 settings=method.info, temporal_filter=temporal_filter.to_dict(),
-                root_calibration=bool(root_calibration))
+                subject_calibration=bool(subject_calibration))
   result.update(metrics.jitter_summary(pred, batch['local_rot'], file_ids, data.fps, rig,
                                        frame_index))
   if sparse_info:

@@ -4,7 +4,7 @@ r"""Solve joint positions to joint rotations from the command line (DESIGN secti
       [--offsets_from=BVH] [--units=m] [--input_axes=x,y,z] [--fps=30] [--estimate_lengths] \
       [--bvh_units=UNITS] \
       [--overwrite] [--plot=PNG --plot_frames=0,10,20] [--clip=GIF_OR_DIR] [--smpl_npz=FILE] \
-      [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B] [--root_calibration]
+      [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B] [--subject_calibration]
   ik-gat solve ...                                     (the same, as a console script)
 
 Input by extension: .npz (`positions [T, J, 3]`), .csv (one frame per row, J x 3 columns in
@@ -112,7 +112,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                latency_frames: int = 0, log: Callable[[str], None] = _stderr,
                trackers: str = 'full', orientations: str | None = None,
                end_sites: str | None = None, matmul_precision: str = 'float32',
-               hold_missing: bool = False, root_calibration: bool = False) -> dict:
+               hold_missing: bool = False, subject_calibration: bool = False) -> dict:
   """Reads `input`, solves, writes `output` (+ `smpl_npz`, `plot`, `clip`); returns a summary.
 
   `rig` (a name or rig JSON) refuses a checkpoint for another rig. Offsets (the subject R is
@@ -137,8 +137,9 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   `trackers` (a `trackers.tracker_mask` spec) and NaN input joints mark joints missing, and
   `orientations` (an .npy) gives world rotations, for checkpoints trained for them (issue G2).
   `hold_missing`: NaN input joints (tracker dropouts) keep their last seen offset from the root
-  instead (`solver.hold_missing_joints`; any checkpoint). `root_calibration`: the root turned by
-  the subject's root bias measured on the clip's own frames (`IKSolver.from_checkpoint`).
+  instead (`solver.hold_missing_joints`; any checkpoint). `subject_calibration`: the joints whose
+  children branch turned by the subject's biases there, measured on the clip's own frames
+  (`IKSolver.from_checkpoint`).
   `end_sites`: an .npy `[T, E, 3]` of the rig leaves' end-site points (input units and axes,
   NaN = not given), or 'bvh' for a BVH input's own End Sites; a checkpoint trained with end
   sites (issue G2) also uses a BVH input's End Sites when `end_sites` is None; 'none' gives none.
@@ -164,7 +165,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
       refine_prior=None if refine_prior in (None, '', 'none') else refine_prior,
       bvh_units=offsets_units, mirror=mirror, workers=workers, attention=attention,
       matmul_precision=matmul_precision, hold_missing=hold_missing,
-      root_calibration=root_calibration)
+      subject_calibration=subject_calibration)
   solver.temporal_filter = temporal.with_overrides(solver.temporal_filter, filter_kind,
                                                    filter_min_cutoff, filter_beta,
                                                    filter_d_cutoff)
@@ -369,9 +370,11 @@ def define_flags() -> None:
   flags.DEFINE_boolean('hold_missing', False, 'NaN input joints (a tracker\'s dropouts) keep '
                        'their last seen offset from the root, moved with the root, instead of '
                        'being refused (any checkpoint; a joint must be seen once first).')
-  flags.DEFINE_boolean('root_calibration', False, 'Turn the root by the subject\'s root bias, '
-                       'measured on the clip\'s own frames: lower error for a subject whose '
-                       'hips sit unlike the training subjects\' (ik_gat_jax/root_calibration.py).')
+  flags.DEFINE_boolean('subject_calibration', False, 'Turn the joints whose children branch '
+                       '(the root, the chest) by the subject\'s constant biases there, measured '
+                       'on the clip\'s own frames: lower error for a subject whose hips and '
+                       'shoulders sit unlike the training subjects\' '
+                       '(ik_gat_jax/subject_calibration.py).')
   s('trackers', 'full', 'Observed joints (checkpoints with joint masks): full, a named subset '
     '(6, 10; ik_gat_jax/trackers.py) or joint names A,B,C; NaN input joints are missing too.')
   s('orientations', None, '.npy [T, J, 3, 3] world rotations (rig axes; NaN = not given) for a '
@@ -426,7 +429,7 @@ def main(argv) -> None:
                  filter_min_cutoff=F.filter_min_cutoff, filter_beta=F.filter_beta,
                  filter_d_cutoff=F.filter_d_cutoff, trackers=F.trackers,
                  orientations=F.orientations, end_sites=F.end_sites,
-                 hold_missing=F.hold_missing, root_calibration=F.root_calibration)
+                 hold_missing=F.hold_missing, subject_calibration=F.subject_calibration)
   except (ValueError, KeyError, OSError, CheckpointError) as e:
     text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip()
     _stderr(f'error: {text.splitlines()[0] if text else type(e).__name__}')

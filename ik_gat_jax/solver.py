@@ -113,7 +113,7 @@ from ik_gat_jax import kinematics
 from ik_gat_jax import model as model_lib
 from ik_gat_jax import padding
 from ik_gat_jax import prior_task
-from ik_gat_jax import root_calibration as root_calibration_lib
+from ik_gat_jax import subject_calibration as subject_calibration_lib
 from ik_gat_jax import temporal
 from ik_gat_jax import vposer
 from ik_gat_jax import windows
@@ -650,12 +650,13 @@ class IKSolver:
                refine_iters: int = 0, temporal_filter: temporal.FilterConfig | None = None,
                fps: float = 30.0, refine_prior=None, mirror: bool = False,
                workers: int | None = None, hold_missing: bool = False,
-               root_calibration: bool = False):
+               subject_calibration: bool = False):
     self.rig: Rig = model.rig
-    # The subject's root bias measured on its own frames (root_calibration.py): a clip's over
-    # all of them, a stream's (`step` / `solve_stream`) over those so far, in `_root_bias`.
-    self.root_calibration = bool(root_calibration)
-    self._root_bias = root_calibration_lib.RootBias()
+    # The subject's rotation biases measured on its own frames (subject_calibration.py): a
+    # clip's over all of them, a stream's (`step` / `solve_stream`) over those so far, in
+    # `_subject_bias`.
+    self.subject_calibration = bool(subject_calibration)
+    self._subject_bias = subject_calibration_lib.SubjectBias()
     self._step_pos = None  # the frame `_step` solved last (rig metres, dropouts held)
     # Tracker dropouts (NaN joints) held from earlier frames (`hold_missing_joints`); the
     # stream's state for `step` / `solve_stream` in `_held` (`reset`).
@@ -780,7 +781,7 @@ class IKSolver:
                       mirror: bool = False, workers: int | None = None,
                       matmul_precision: str = 'float32',
                       hold_missing: bool = False,
-                      root_calibration: bool = False) -> 'IKSolver':
+                      subject_calibration: bool = False) -> 'IKSolver':
     """Loads a run directory or checkpoint (None: `inference.SHIPPED_IKGAT`).
 
     `offsets [J, 3]` (metres) or `offsets_from` (a BVH: its rest offsets reduced to the rig,
@@ -812,9 +813,10 @@ class IKSolver:
     val and test (BENCHMARKS.md, issue N session 31). `hold_missing`: NaN joints of clips and
     streams (tracker dropouts) take their last seen offset from the root, moved with the root
     (`hold_missing_joints`), for checkpoints without joint masks, which otherwise refuse them.
-    `root_calibration`: the root turned by the subject's root bias, measured on the input's
-    own frames (root_calibration.py: all of a clip's, a stream's so far), after any filter;
-    lower error for a subject whose hips sit unlike the training subjects'.
+    `subject_calibration`: the joints whose children branch (the root, the chest) turned by
+    the subject's constant biases there, measured on the input's own frames
+    (subject_calibration.py: all of a clip's, a stream's so far), after any filter; lower
+    error for a subject whose hips and shoulders sit unlike the training subjects'.
     """
     if offsets is not None and offsets_from is not None:  # before the (slow) model load
       raise InputError('give offsets or offsets_from, not both')
@@ -846,7 +848,7 @@ class IKSolver:
     return cls(model, meta, offsets=offsets, block_size=block_size, source=str(path),
                refine_iters=refine_iters, temporal_filter=temporal_filter, fps=fps,
                refine_prior=prior, mirror=mirror, workers=workers, hold_missing=hold_missing,
-               root_calibration=root_calibration)
+               subject_calibration=subject_calibration)
 
   # -- offsets ------------------------------------------------------------------------------
 
@@ -1096,8 +1098,8 @@ class IKSolver:
     out = self._solve_chunks(pos, subject, full, progress, sparse)
     if self.temporal_filter.active and len(pos) > 1:
       out = self._filter_clip(out, pos, subject)
-    if self.root_calibration:
-      local, _ = root_calibration_lib.calibrate_clip(out['local_rot'], pos, off, self.rig)
+    if self.subject_calibration:
+      local, _ = subject_calibration_lib.calibrate_clip(out['local_rot'], pos, off, self.rig)
       root = out['positions_fk'][:, 0] if 'positions_fk' in out else pos[:, 0]  # refined: fitted
       out = self._with_local(out, local, root, subject)
     if not full:
@@ -1211,11 +1213,11 @@ class IKSolver:
 
   def reset(self) -> None:
     """Starts a new stream: the temporal filter, a window model's past frames, the held
-    joints (`hold_missing`) and the root bias (`root_calibration`) forget the frames
+    joints (`hold_missing`) and the subject's biases (`subject_calibration`) forget the frames
     `step`/`solve_stream` saw."""
     self._filter_state = None
     self._held = None
-    self._root_bias = root_calibration_lib.RootBias()
+    self._subject_bias = subject_calibration_lib.SubjectBias()
     if self._history is not None:
       self._history.reset()
 
@@ -1239,14 +1241,14 @@ class IKSolver:
     sessions 33-34).
     """
     local = self._step(frame, offsets, mask, orientations, orientation_mask, end_sites)
-    if not self.root_calibration:
+    if not self.subject_calibration:
       return local
     off = self.offsets if offsets is None else offsets  # checked by `_step`
-    return self._root_bias.calibrate(local[None], self._step_pos, off, self.rig)[0]
+    return self._subject_bias.calibrate(local[None], self._step_pos, off, self.rig)[0]
 
   def _step(self, frame, offsets=None, mask=None, orientations=None,
             orientation_mask=None, end_sites=None) -> np.ndarray:
-    """`step` without the root calibration (the frame it solved in `_step_pos`)."""
+    """`step` without the subject calibration (the frame it solved in `_step_pos`)."""
     pos, _ = check_positions(frame, self.rig,
                              allow_missing=self.supports_masks or self.hold_missing)
     if pos.shape[0] != 1:
@@ -1346,8 +1348,8 @@ class IKSolver:
                          f'{self.block_size}; use solve() for clips')
       local = self._filter_stream(
           self._run(pos, subject, False, self._stream_history(pos))['local_rot'])
-      if self.root_calibration:
-        local = self._root_bias.calibrate(local, pos, off, self.rig)
+      if self.subject_calibration:
+        local = self._subject_bias.calibrate(local, pos, off, self.rig)
       yield local[0] if single else local
 
   @property
@@ -1359,11 +1361,11 @@ class IKSolver:
 
   def latency_stats(self, n: int = 200, warmup: int = 5, frame=None) -> dict[str, float]:
     """Single-frame `step` latency (numpy in -> numpy out, compiled, synchronous, temporal
-    filter and root calibration included), ms."""
+    filter and subject calibration included), ms."""
     frame = (rest_positions_np(self.offsets, self.rig.parents) if frame is None
              else np.asarray(frame, np.float64))
     saved, held = self._filter_state, self._held  # the timing stream must not disturb the user's
-    saved_history, bias = copy.deepcopy(self._history), copy.deepcopy(self._root_bias)
+    saved_history, bias = copy.deepcopy(self._history), copy.deepcopy(self._subject_bias)
     for _ in range(warmup):
       self.step(frame)
     times = []
@@ -1372,7 +1374,7 @@ class IKSolver:
       self.step(frame)
       times.append(time.perf_counter() - t)
     self._filter_state, self._history, self._held = saved, saved_history, held
-    self._root_bias = bias
+    self._subject_bias = bias
     ms = 1e3 * np.asarray(times)
     return {'n': int(n), 'median_ms': float(np.median(ms)),
             'p99_ms': float(np.percentile(ms, 99)), 'mean_ms': float(ms.mean()),

@@ -103,6 +103,8 @@ def test_every_stage_writes_sane_outputs(rig_run):
   assert 0 < results['swing']['local_rot_err_deg'] < 45
   assert results['swing']['mpjpe_mm'] < 1.0
   assert results['iterative']['settings']['prior'] == str(w / 'prior')
+  assert results['ikgat_calibrated']['subject_calibration']
+  assert not results['ikgat']['subject_calibration']
   table = (w / 'eval' / 'table.md').read_text()
   assert all(f'| {m} | 66 |' in table for m in train_rig.EVAL_METHODS), table
   # 5: the exported checkpoint loads, its card has the metrics, data provenance and solve line.
@@ -111,7 +113,8 @@ def test_every_stage_writes_sane_outputs(rig_run):
   assert meta['rig']['name'] == 'auto' and len(meta['rig']['joint_names']) == 27
   card = (export / 'README.md').read_text()
   for text in ('## Test split', "## This rig's evaluation", '| 07_12.bvh | 07 | test | 66 |',
-               '--units=0.056444', 'mocap.cs.cmu.edu', 'whole subjects held out'):
+               '--units=0.056444', 'mocap.cs.cmu.edu', 'whole subjects held out',
+               '| ikgat_calibrated | 66 |', '`--subject_calibration`'):
     assert text in card, text
   assert json.loads((export / 'test_metrics.json').read_text())['method'] == 'ikgat'
 

@@ -1,0 +1,194 @@
+"""ik_gat_jax/subject_calibration.py: a subject's constant rotation biases at the joints whose
+children branch, measured on its own frames, and their use by the solver (clips, streams), the
+command line and the evaluation."""
+
+import numpy as np
+import pytest
+from scipy.spatial.transform import Rotation
+
+from ik_gat_jax import evaluation, skeleton
+from ik_gat_jax import subject_calibration as sc
+from ik_gat_jax import solver as solver_lib
+
+RIG = skeleton.cmu_body()
+HIPS, CHEST = RIG.joint_names.index('Hips'), RIG.joint_names.index('Spine1')
+
+
+def _world(R):
+  G = np.zeros_like(R)
+  for j, up in enumerate(RIG.parents):
+    G[:, j] = R[:, j] if up < 0 else G[:, up] @ R[:, j]
+  return G
+
+
+def _local(G):
+  return np.stack([G[:, j] if up < 0 else np.swapaxes(G[:, up], -1, -2) @ G[:, j]
+                   for j, up in enumerate(RIG.parents)], axis=1)
+
+
+def _clip(T=40, seed=0):
+  """(local [T, J, 3, 3], positions [T, J, 3]) of random poses on cmu_body's template."""
+  rng = np.random.default_rng(seed)
+  R = Rotation.from_rotvec(rng.normal(scale=0.5, size=(T * RIG.num_joints, 3))).as_matrix()
+  R = R.reshape(T, RIG.num_joints, 3, 3)
+  off, G = RIG.template(), _world(R)
+  p = np.zeros(R.shape[:2] + (3,))
+  root = rng.normal(scale=0.3, size=(T, 3))
+  for j, up in enumerate(RIG.parents):
+    p[:, j] = root if up < 0 else p[:, up] + G[:, up] @ off[j]
+  return R, p
+
+
+def _biased(R, biases):
+  """What a network with these biases answers: each joint j's world rotation turned by
+  `biases[j]` (per frame `[T, 3, 3]` or constant), every other joint's kept (apply_bias itself
+  is what is under test, so built by hand here)."""
+  G = _world(R)
+  for j, B in biases.items():
+    G[:, j] = G[:, j] @ B
+  return _local(G)
+
+
+def _angle(A, B):
+  return float(np.degrees(Rotation.from_matrix(np.swapaxes(A, -1, -2) @ B).magnitude()).max())
+
+
+BIASES = {HIPS: Rotation.from_rotvec([0.1, -0.2, 0.15]).as_matrix(),
+          CHEST: Rotation.from_rotvec([-0.05, 0.25, 0.1]).as_matrix()}
+
+
+def test_the_joints_and_their_fits():
+  joints = sc.calibrated_joints(RIG.template(), RIG)
+  assert [(RIG.joint_names[j], [RIG.joint_names[c] for c in kids]) for j, kids in joints] == [
+      ('Hips', ['LeftUpLeg', 'RightUpLeg']),  # LowerBack sits on the Hips
+      ('Spine1', ['LeftArm', 'RightArm'])]    # and Neck on Spine1
+  one = skeleton.make_rig('chain', ['a', 'b', 'c'], [-1, 0, 1],
+                          np.array([[0, 1.0, 0], [0, 0.5, 0], [0, 0.5, 0]]),
+                          up=(0, 1, 0), forward=(0, 0, 1))
+  assert sc.calibrated_joints(one.template(), one) == ()  # one child each: no fit
+  R, p = _clip()
+  G = _world(R)
+  fit = sc.fitted_rotations(p, RIG.template(), joints)
+  assert _angle(fit[:, 0], G[:, HIPS]) < 1e-6 and _angle(fit[:, 1], G[:, CHEST]) < 1e-6
+  np.testing.assert_allclose(sc.world_rotations(R, RIG, [CHEST, HIPS]), G[:, [CHEST, HIPS]],
+                             atol=1e-12)
+
+
+def test_constant_biases_are_removed_exactly_and_noise_averages_out():
+  R, p = _clip()
+  out, E = sc.calibrate_clip(_biased(R, BIASES), p, RIG.template(), RIG)
+  assert sorted(E) == [HIPS, CHEST]
+  for j, B in BIASES.items():
+    assert _angle(E[j], B.T) < 1e-6  # the correction undoes the bias
+  np.testing.assert_allclose(out, R, atol=1e-6)
+  # Per-frame errors of the network around the biases: only their mean is removed.
+  rng = np.random.default_rng(1)
+  jitter = {j: Rotation.from_rotvec(rng.normal(scale=0.05, size=(40, 3))) for j in BIASES}
+  noisy = _biased(R, {j: B @ jitter[j].as_matrix() for j, B in BIASES.items()})
+  _, E = sc.calibrate_clip(noisy, p, RIG.template(), RIG)
+  for j, B in BIASES.items():
+    assert _angle(E[j], (B @ jitter[j].mean().as_matrix()).T) < 1e-3
+  # A clip already unbiased is left as it was.
+  same, E = sc.calibrate_clip(R, p, RIG.template(), RIG)
+  assert max(_angle(e, np.eye(3)) for e in E.values()) < 1e-6
+  assert np.abs(same - R).max() < 1e-6
+
+
+def test_the_same_in_any_world_frame():
+  """Turning the world (the positions and every world rotation) changes no bias."""
+  R, p = _clip()
+  W = Rotation.from_rotvec([0.3, -1.2, 2.0]).as_matrix()
+  biased = _biased(R, BIASES)
+  turned = biased.copy()
+  turned[:, 0] = W @ biased[:, 0]
+  out, E = sc.calibrate_clip(biased, p, RIG.template(), RIG)
+  out_w, E_w = sc.calibrate_clip(turned, p @ W.T, RIG.template(), RIG)
+  for j in E:
+    assert _angle(E[j], E_w[j]) < 1e-6
+  np.testing.assert_allclose(out_w[:, 1:], out[:, 1:], atol=1e-6)
+  np.testing.assert_allclose(out_w[:, 0], W @ out[:, 0], atol=1e-6)
+
+
+def test_frames_without_the_children_are_left_out_and_the_stream_is_causal():
+  R, p = _clip()
+  p = p.copy()
+  p[5, 13] = np.nan  # a dropped hip: this frame does not count for the root
+  p[7, 0] = np.nan   # a dropped root: nor this one
+  p[9, 7] = np.nan   # a dropped arm: this frame does not count for the chest
+  biased = _biased(R, BIASES)
+  out, E = sc.calibrate_clip(biased, p, RIG.template(), RIG)
+  assert max(_angle(E[j], B.T) for j, B in BIASES.items()) < 1e-6 and np.isfinite(out).all()
+  stream = sc.SubjectBias()
+  first = stream.calibrate(biased[:20], p[:20], RIG.template(), RIG)
+  rest = stream.calibrate(biased[20:], p[20:], RIG.template(), RIG)
+  np.testing.assert_allclose(np.concatenate([first, rest]), R, atol=1e-6)  # exact bias: any t
+  # Frames after t change nothing up to t.
+  later = _biased(R, {HIPS: Rotation.from_rotvec([0.5, 0, 0]).as_matrix()})
+  again = sc.SubjectBias().calibrate(np.concatenate([biased[:20], later[20:]]), p,
+                                     RIG.template(), RIG)
+  np.testing.assert_array_equal(again[:20], first)
+  # No joint with a fit: nothing to calibrate.
+  flat = RIG.template().copy()
+  flat[[13, 17, 7, 10]] = 0.0
+  np.testing.assert_array_equal(sc.calibrate_clip(biased, p, flat, RIG)[0], biased)
+  np.testing.assert_array_equal(sc.SubjectBias().calibrate(biased, p, flat, RIG), biased)
+
+
+@pytest.fixture(scope='module')
+def solver():
+  return solver_lib.IKSolver.from_checkpoint(subject_calibration=True)
+
+
+def test_the_solver_calibrates_clips_and_streams(solver, cmu_dir):
+  from ik_gat_jax.io import exports
+  clip = exports.read_bvh_clip(cmu_dir / '07_05.bvh', solver.rig, fps=30.0, max_frames=240)
+  T = len(clip.positions)  # 60 at 30 fps
+  plain = solver_lib.IKSolver.from_checkpoint()
+  raw = plain.solve(clip.positions, offsets=clip.offsets, full=True)
+  sol = solver.solve(clip.positions, offsets=clip.offsets, full=True)
+  want, E = sc.calibrate_clip(raw.local_rot, raw.positions, clip.offsets, solver.rig)
+  print('07_05 biases', {RIG.joint_names[j]: round(float(np.degrees(Rotation.from_matrix(
+      e).magnitude())), 2) for j, e in E.items()}, 'deg')
+  np.testing.assert_allclose(sol.local_rot, want, atol=1e-6)
+  # Only the calibrated joints and their children's local rotations move; every other
+  # world rotation stays; the FK outputs follow them.
+  moved = np.abs(sol.local_rot - raw.local_rot).max(axis=(0, 2, 3)) > 0
+  assert set(np.flatnonzero(moved)) <= {j for j in E} | {
+      c for j in E for c in solver.rig.children[j]}
+  kept = [j for j in range(RIG.num_joints) if j not in E]
+  np.testing.assert_allclose(sol.global_rot[:, kept], raw.global_rot[:, kept], atol=1e-5)
+  for j, e in E.items():
+    assert _angle(sol.global_rot[:, j], raw.global_rot[:, j] @ e) < 1e-3
+  # A stream: each frame by the biases of the frames so far; the last one's are the clip's.
+  solver.offsets = clip.offsets
+  solver.reset()
+  stream = np.stack([solver.step(f) for f in clip.positions])
+  np.testing.assert_allclose(stream[-1], sol.local_rot[-1], atol=1e-5)
+  solver.reset()
+  again = np.concatenate(list(solver.solve_stream([clip.positions[i:i + 20]
+                                                   for i in range(0, T, 20)])))
+  np.testing.assert_allclose(again, stream, atol=1e-5)
+
+
+def test_evaluation_calibrates_each_file(cmu_shards):
+  from ik_gat_jax import data
+  ds = data.load_shards(cmu_shards, 'val')
+  method = evaluation.ikgat_method(None, ds.rig)
+  off = evaluation.evaluate(method, ds, ds.rig, max_frames=200)
+  on = evaluation.evaluate(method, ds, ds.rig, max_frames=200, subject_calibration=True)
+  assert on['subject_calibration'] and not off['subject_calibration']
+  assert on['frames'] == off['frames']
+  # Clean input: the fits are exact, so the calibrated joints keep only the network's error
+  # around its mean over each file, below the error itself (val's first 200 frames, the
+  # shipped model).
+  for name in ('Hips', 'Spine1'):
+    was, now = (r['per_joint'][name]['global_rot_err_deg'] for r in (off, on))
+    print(f'{name} world error {was:.3f} -> {now:.3f} deg')
+    assert now < was, name
+  # Only the calibrated joints and their children move: every other joint's error stays.
+  moved = {n for j in (HIPS, CHEST) for n in
+           [RIG.joint_names[j]] + [RIG.joint_names[c] for c in RIG.children[j]]}
+  for name, e in off['per_joint'].items():
+    if name not in moved:
+      assert on['per_joint'][name]['local_rot_err_deg'] == pytest.approx(
+          e['local_rot_err_deg'], abs=1e-6), name
