@@ -20,7 +20,7 @@ other joint keeps its world rotation, so the local rotations become `E_parent^T 
 identity at joints without a fit); each bias is measured against the network's own rotation,
 so the joints' corrections do not depend on one another.
 
-- Which joints (`calibrated_joints`): those whose children at a different place from them in
+- Which joints (`plan`): those whose children at a different place from them in
   the subject's offsets (more than `COLOCATED_M`) span a plane (the cross product of two of
   their unit directions over `MIN_SPAN`). cmu_body: Hips (LeftUpLeg, RightUpLeg; LowerBack
   sits on the Hips) and Spine1 (LeftArm, RightArm; Neck sits on it). A rig with fingers adds
@@ -34,6 +34,7 @@ so the joints' corrections do not depend on one another.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
@@ -43,7 +44,17 @@ from ik_gat_jax.skeleton import Rig
 COLOCATED_M = 1e-6   # a child closer to its parent than this is on it (no direction)
 MIN_SPAN = 0.05      # |d_a x d_b| of two children's unit rest directions: they span a plane
 
-Joints = tuple[tuple[int, tuple[int, ...]], ...]  # (joint, its fitted children) per joint
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What a subject's calibration computes, found once from its offsets (`plan`): the
+  calibrated joints (root first), each one's fitted children and all its children, and the
+  joints whose world rotations they need, as `(joint, parent)` in tree order."""
+  joints: tuple[int, ...]
+  fitted: tuple[tuple[int, ...], ...]
+  children: tuple[tuple[int, ...], ...]
+  chain: tuple[tuple[int, int], ...]
 
 
 def nearest_rotation(M: np.ndarray) -> np.ndarray:
@@ -65,54 +76,58 @@ def fit_children(offsets: np.ndarray, rig: Rig, j: int) -> tuple[int, ...]:
   return tuple(kids) if span > MIN_SPAN else ()
 
 
-def calibrated_joints(offsets: np.ndarray, rig: Rig) -> Joints:
-  """`((joint, fitted children), ...)` of every joint with a fit, root first."""
-  out = ((j, fit_children(offsets, rig, j)) for j in range(rig.num_joints))
-  return tuple((j, kids) for j, kids in out if kids)
-
-
-def fitted_rotations(positions: np.ndarray, offsets: np.ndarray, joints: Joints) -> np.ndarray:
-  """`[T, K, 3, 3]` per joint the rotations G with `G o_c` nearest `p_c - p_j` over its
-  fitted children (Kabsch)."""
-  positions = np.asarray(positions, np.float64)
-  offsets = np.asarray(offsets, np.float64)
-  H = [np.einsum('tca,cb->tab', positions[:, list(kids)] - positions[:, j:j + 1],
-                 offsets[list(kids)]) for j, kids in joints]
-  return nearest_rotation(np.stack(H, axis=1))
-
-
-def world_rotations(local_rot: np.ndarray, rig: Rig, joints: Sequence[int]) -> np.ndarray:
-  """`[T, K, 3, 3]` the world rotations of `joints` (the products of the local rotations along
-  their ancestors; only those are computed)."""
+def plan(offsets: np.ndarray, rig: Rig) -> Plan:
+  """The subject's `Plan`: every joint with a fit (module docstring)."""
+  children = rig.children
+  fits = [(j, fit_children(offsets, rig, j)) for j in range(rig.num_joints) if children[j]]
+  fits = [(j, kids) for j, kids in fits if kids]
   need = set()
-  for j in joints:
+  for j, _ in fits:
     while j >= 0 and j not in need:
       need.add(j)
       j = rig.parents[j]
+  return Plan(joints=tuple(j for j, _ in fits), fitted=tuple(k for _, k in fits),
+              children=tuple(children[j] for j, _ in fits),
+              chain=tuple((j, rig.parents[j]) for j in sorted(need)))  # parents first
+
+
+def fitted_rotations(positions: np.ndarray, offsets: np.ndarray, p: Plan) -> np.ndarray:
+  """`[T, K, 3, 3]` per calibrated joint the rotations G with `G o_c` nearest `p_c - p_j`
+  over its fitted children (Kabsch)."""
+  positions = np.asarray(positions, np.float64)
+  offsets = np.asarray(offsets, np.float64)
+  H = [np.swapaxes(positions[:, kids] - positions[:, j:j + 1], -1, -2) @ offsets[kids, :]
+       for j, kids in zip(p.joints, p.fitted)]
+  return nearest_rotation(np.stack(H, axis=1))
+
+
+def world_rotations(local_rot: np.ndarray, p: Plan) -> np.ndarray:
+  """`[T, K, 3, 3]` the world rotations of the calibrated joints (the products of the local
+  rotations along their ancestors; only those are computed)."""
   local_rot = np.asarray(local_rot, np.float64)
   G = {}
-  for j in sorted(need):  # parents come first (DESIGN: topological order)
-    p = rig.parents[j]
-    G[j] = local_rot[:, j] if p < 0 else G[p] @ local_rot[:, j]
-  return np.stack([G[j] for j in joints], axis=1)
+  for j, up in p.chain:
+    G[j] = local_rot[:, j] if up < 0 else G[up] @ local_rot[:, j]
+  return np.stack([G[j] for j in p.joints], axis=1)
 
 
-def bias_terms(local_rot: np.ndarray, positions: np.ndarray, offsets: np.ndarray, rig: Rig,
-               joints: Joints | None = None) -> np.ndarray:
+def bias_terms(local_rot: np.ndarray, positions: np.ndarray, offsets: np.ndarray,
+               p: Plan) -> np.ndarray:
   """`[T, K, 3, 3]` per frame and calibrated joint `E_t = G_net,t^T G_fit,t`, zero where a
-  frame has no fit. `joints`: `calibrated_joints(offsets, rig)`, when the caller has it."""
-  joints = calibrated_joints(offsets, rig) if joints is None else joints
+  frame has no fit (the joint, a fitted child or the network's rotation not finite)."""
   T = len(local_rot)
-  if not joints:
+  if not p.joints:
     return np.zeros((T, 0, 3, 3))
   positions = np.asarray(positions, np.float64)
-  G = world_rotations(local_rot, rig, [j for j, _ in joints])
-  ok = np.stack([np.all(np.isfinite(positions[:, (j,) + kids]), axis=(1, 2))
-                 for j, kids in joints], axis=1)
-  ok &= np.all(np.isfinite(G), axis=(2, 3))
-  E = np.zeros((T, len(joints), 3, 3))
+  G = world_rotations(local_rot, p)
+  finite = np.isfinite(positions).all(axis=-1)
+  ok = np.stack([finite[:, (j,) + kids].all(axis=1) for j, kids in zip(p.joints, p.fitted)],
+                axis=1) & np.isfinite(G).all(axis=(2, 3))
+  if ok.all():
+    return np.swapaxes(G, -1, -2) @ fitted_rotations(positions, offsets, p)
+  E = np.zeros((T, len(p.joints), 3, 3))
   if ok.any():
-    fit = fitted_rotations(np.where(np.isfinite(positions), positions, 0.0), offsets, joints)
+    fit = fitted_rotations(np.where(np.isfinite(positions), positions, 0.0), offsets, p)
     E[ok] = (np.swapaxes(G, -1, -2) @ fit)[ok]
   return E
 
@@ -124,25 +139,25 @@ def mean_bias(terms: np.ndarray) -> np.ndarray:
 
 
 def _nearest_or_identity(S: np.ndarray) -> np.ndarray:
-  E = np.broadcast_to(np.eye(3), S.shape).copy()
   some = S.any(axis=(-2, -1))
+  if some.all():
+    return nearest_rotation(S)
+  E = np.broadcast_to(np.eye(3), S.shape).copy()
   if some.any():
     E[some] = nearest_rotation(S[some])
   return E
 
 
-def apply_bias(local_rot: np.ndarray, E: np.ndarray, rig: Rig, joints: Joints) -> np.ndarray:
+def apply_bias(local_rot: np.ndarray, E: np.ndarray, p: Plan) -> np.ndarray:
   """Local rotations `[T, J, 3, 3]` with each calibrated joint turned by its bias (`E [K, 3,
   3]`, or `[T, K, 3, 3]` per frame) and every other joint's world rotation kept: `R_j E_j`,
   `E_j^T R_c` for its children c."""
   out = np.array(local_rot, copy=True)
   E = np.asarray(E, np.float64)
-  for k, (j, _) in enumerate(joints):
-    Ek = E[..., k, :, :]
-    out[:, j] = out[:, j] @ Ek
-    kids = list(rig.children[j])
-    Et = np.swapaxes(Ek, -1, -2)
-    out[:, kids] = (Et[:, None] if Et.ndim == 3 else Et) @ out[:, kids]
+  Et = np.swapaxes(E, -1, -2)
+  for k, (j, kids) in enumerate(zip(p.joints, p.children)):
+    out[:, j] = out[:, j] @ E[..., k, :, :]
+    out[:, kids] = (Et[:, k, None] if Et.ndim == 4 else Et[k]) @ out[:, kids]
   return out
 
 
@@ -150,10 +165,10 @@ def calibrate_clip(local_rot: np.ndarray, positions: np.ndarray, offsets: np.nda
                    rig: Rig) -> tuple[np.ndarray, dict[int, np.ndarray]]:
   """(calibrated local rotations `[T, J, 3, 3]` in `local_rot`'s dtype, `{joint: bias [3,
   3]}`) of one subject's clip: the biases measured over all its frames (module docstring)."""
-  joints = calibrated_joints(offsets, rig)
-  E = mean_bias(bias_terms(local_rot, positions, offsets, rig, joints))
-  out = apply_bias(local_rot, E, rig, joints).astype(np.asarray(local_rot).dtype)
-  return out, {j: E[k] for k, (j, _) in enumerate(joints)}
+  p = plan(offsets, rig)
+  E = mean_bias(bias_terms(local_rot, positions, offsets, p))
+  out = apply_bias(local_rot, E, p).astype(np.asarray(local_rot).dtype)
+  return out, dict(zip(p.joints, E))
 
 
 class SubjectBias:
@@ -161,29 +176,28 @@ class SubjectBias:
 
   def __init__(self):
     self.total: np.ndarray | None = None  # [K, 3, 3] the sum of the terms so far
-    # The subject's (offsets' bytes, `calibrated_joints`), kept between calls: computed per
-    # call they were half of a live frame's calibration.
-    self._subject: tuple[bytes, Joints] | None = None
+    # The subject's (offsets' bytes, `plan`), kept between calls: found per call it was most
+    # of a live frame's calibration.
+    self._subject: tuple[bytes, Plan] | None = None
 
   def calibrate(self, local_rot: np.ndarray, positions: np.ndarray, offsets: np.ndarray,
                 rig: Rig) -> np.ndarray:
     """The next frames `[n, J, 3, 3]`, each corrected by the mean biases up to and including
-    itself (`calibrate_clip`'s terms, summed as they come; a new
-    stream takes a new `SubjectBias`)."""
+    itself (`calibrate_clip`'s terms, summed as they come; a new stream takes a new
+    `SubjectBias`)."""
     offsets = np.asarray(offsets)
     key = offsets.tobytes()
     if self._subject is None or self._subject[0] != key:
-      joints = calibrated_joints(offsets, rig)
-      if self._subject is not None and joints != self._subject[1]:
+      p = plan(offsets, rig)
+      if self._subject is not None and p.joints != self._subject[1].joints:
         self.total = None  # other joints: the sums so far do not apply
-      self._subject = (key, joints)
-    joints = self._subject[1]
+      self._subject = (key, p)
+    p = self._subject[1]
     local_rot = np.asarray(local_rot)
-    if not joints:
+    if not p.joints:
       return local_rot
-    running = np.cumsum(bias_terms(local_rot, positions, offsets, rig, joints), axis=0)
+    running = np.cumsum(bias_terms(local_rot, positions, offsets, p), axis=0)
     if self.total is not None:
       running += self.total
     self.total = running[-1]
-    return apply_bias(local_rot, _nearest_or_identity(running), rig, joints).astype(
-        local_rot.dtype)
+    return apply_bias(local_rot, _nearest_or_identity(running), p).astype(local_rot.dtype)

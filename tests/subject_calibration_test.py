@@ -58,20 +58,22 @@ BIASES = {HIPS: Rotation.from_rotvec([0.1, -0.2, 0.15]).as_matrix(),
 
 
 def test_the_joints_and_their_fits():
-  joints = sc.calibrated_joints(RIG.template(), RIG)
-  assert [(RIG.joint_names[j], [RIG.joint_names[c] for c in kids]) for j, kids in joints] == [
+  plan = sc.plan(RIG.template(), RIG)
+  assert [(RIG.joint_names[j], [RIG.joint_names[c] for c in kids])
+          for j, kids in zip(plan.joints, plan.fitted)] == [
       ('Hips', ['LeftUpLeg', 'RightUpLeg']),  # LowerBack sits on the Hips
       ('Spine1', ['LeftArm', 'RightArm'])]    # and Neck on Spine1
+  assert plan.children == (RIG.children[HIPS], RIG.children[CHEST])
+  assert [j for j, _ in plan.chain] == [0, 1, 2, 3]  # the root and the chest's ancestors
   one = skeleton.make_rig('chain', ['a', 'b', 'c'], [-1, 0, 1],
                           np.array([[0, 1.0, 0], [0, 0.5, 0], [0, 0.5, 0]]),
                           up=(0, 1, 0), forward=(0, 0, 1))
-  assert sc.calibrated_joints(one.template(), one) == ()  # one child each: no fit
+  assert sc.plan(one.template(), one).joints == ()  # one child each: no fit
   R, p = _clip()
   G = _world(R)
-  fit = sc.fitted_rotations(p, RIG.template(), joints)
+  fit = sc.fitted_rotations(p, RIG.template(), plan)
   assert _angle(fit[:, 0], G[:, HIPS]) < 1e-6 and _angle(fit[:, 1], G[:, CHEST]) < 1e-6
-  np.testing.assert_allclose(sc.world_rotations(R, RIG, [CHEST, HIPS]), G[:, [CHEST, HIPS]],
-                             atol=1e-12)
+  np.testing.assert_allclose(sc.world_rotations(R, plan), G[:, [HIPS, CHEST]], atol=1e-12)
 
 
 def test_constant_biases_are_removed_exactly_and_noise_averages_out():
