@@ -25,21 +25,17 @@ from ik_gat_jax import subject_calibration as sc
 from ik_gat_jax.io import atomic
 from ik_gat_jax.solver import IKSolver
 
-_DATA = _SPLIT = _CHECKPOINT = _NOISE = _WINDOWS = _SUBJECT = _OUTPUT = None  # define_flags()
-
-
 def define_flags() -> None:
-  """The main's flags, defined only when it runs (tests import its functions beside other
-  mains that claim --data)."""
-  global _DATA, _SPLIT, _CHECKPOINT, _NOISE, _WINDOWS, _SUBJECT, _OUTPUT
-  _DATA = flags.DEFINE_string('data', None, 'Shard directory.')
-  _SPLIT = flags.DEFINE_string('split', 'val', 'Split to evaluate (choose on val).')
-  _CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'IK-GAT checkpoint (default: shipped).')
-  _NOISE = flags.DEFINE_list('noise_mm', ['0', '10', '20'], 'Noise levels, mm per coordinate.')
-  _WINDOWS = flags.DEFINE_list('windows', ['0:30', '30:300', '0:'],
-                               'Frame windows START:STOP from each file\'s first frame.')
-  _SUBJECT = flags.DEFINE_string('subject', None, 'Only this subject\'s files.')
-  _OUTPUT = flags.DEFINE_string('output_json', None, 'Also write the results here (atomically).')
+  """Defines the flags (read as `flags.FLAGS.<name>` by `main`) only when the main runs: the
+  tests import `run` beside other mains that claim --data."""
+  flags.DEFINE_string('data', None, 'Shard directory.')
+  flags.DEFINE_string('split', 'val', 'Split to evaluate (choose on val).')
+  flags.DEFINE_string('checkpoint', None, 'IK-GAT checkpoint (default: shipped).')
+  flags.DEFINE_list('noise_mm', ['0', '10', '20'], 'Noise levels, mm per coordinate.')
+  flags.DEFINE_list('windows', ['0:30', '30:300', '0:'],
+                    'Frame windows START:STOP from each file\'s first frame.')
+  flags.DEFINE_string('subject', None, 'Only this subject\'s files.')
+  flags.DEFINE_string('output_json', None, 'Also write the results here (atomically).')
 
 
 WAYS = ('none', 'stream', 'clip')
@@ -113,25 +109,26 @@ def table(results: dict, windows: list[str]) -> str:
 @fail_on_user_error
 def main(argv):
   del argv
+  F = flags.FLAGS
   try:
-    noise = [float(v) for v in _NOISE.value]
+    noise = [float(v) for v in F.noise_mm]
   except ValueError:
-    raise ValueError(f'--noise_mm: {_NOISE.value} are not numbers') from None
-  windows = parse_windows(_WINDOWS.value)
-  ds = data.load_shards(_DATA.value, _SPLIT.value)
-  solver = IKSolver.from_checkpoint(_CHECKPOINT.value, expected_rig=ds.rig)
-  results = run(ds, solver, noise, windows, _SUBJECT.value)
+    raise ValueError(f'--noise_mm: {F.noise_mm} are not numbers') from None
+  windows = parse_windows(F.windows)
+  ds = data.load_shards(F.data, F.split)
+  solver = IKSolver.from_checkpoint(F.checkpoint, expected_rig=ds.rig)
+  results = run(ds, solver, noise, windows, F.subject)
   names = list(next(iter(next(iter(results.values())).values())))
-  print(f'{ds.split} split{" subject " + _SUBJECT.value if _SUBJECT.value else ""}, '
+  print(f'{ds.split} split{" subject " + F.subject if F.subject else ""}, '
         f'{solver.source}: local rotation error (deg)')
   print(table(results, names))
-  if _OUTPUT.value:
-    atomic.write_json(_OUTPUT.value, {
-        'split': ds.split, 'subject': _SUBJECT.value, 'checkpoint': solver.source,
+  if F.output_json:
+    atomic.write_json(F.output_json, {
+        'split': ds.split, 'subject': F.subject, 'checkpoint': solver.source,
         'results': {f'{k:g}': v for k, v in results.items()},
         'command': provenance.command_line(),
         'provenance': provenance.data_provenance(ds)})
-    print(f'wrote {_OUTPUT.value}')
+    print(f'wrote {F.output_json}')
 
 
 if __name__ == '__main__':
