@@ -21,9 +21,10 @@ other joint keeps its world rotation, so the local rotations become `E_parent^T 
 identity at joints without a fit); each bias is measured against the network's own rotation,
 so the joints' corrections do not depend on one another.
 
-- Which joints (`plan`): those whose children at a different place from them in
-  the subject's offsets (more than `COLOCATED_M`) span a plane (the cross product of two of
-  their unit directions over `MIN_SPAN`). cmu_body: Hips (LeftUpLeg, RightUpLeg; LowerBack
+- Which joints (`plan`): the joints `Rig.observability(offsets)` calls `determined` for the
+  subject (its children at a different place, `Rig.colocated`, span a plane: the joints
+  swing-only IK solves by the same Kabsch fit, iterative_ik.py). cmu_body: Hips (LeftUpLeg,
+  RightUpLeg; LowerBack
   sits on the Hips) and Spine1 (LeftArm, RightArm; Neck sits on it). A rig with fingers adds
   its hands. A subject without such a joint is left as it is.
 - Frames where a joint, its fitted children or its network rotation are not finite are left
@@ -52,61 +53,54 @@ import numpy as np
 
 from ik_gat_jax.skeleton import Rig
 
-COLOCATED_M = 1e-6   # a child closer to its parent than this is on it (no direction)
-MIN_SPAN = 0.05      # |d_a x d_b| of two children's unit rest directions: they span a plane
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
   """What a subject's calibration computes, found once from its offsets (`plan`): the
-  calibrated joints (root first), each one's fitted children and all its children, the
-  joints whose world rotations they need, as `(joint, parent)` in tree order, and the fits'
-  (joint, fitted child) pairs, joint by joint, with where each joint's pairs start (the fits'
-  gathers and sums in a few numpy calls, whatever the number of joints)."""
+  calibrated joints (root first), each one's fitted children and all its children, and the
+  joints whose world rotations they need, as `(joint, parent)` in tree order. Derived from
+  `fitted`: its (joint, fitted child) pairs, joint by joint, with where each joint's pairs
+  start (the fits' gathers and sums in a few numpy calls, whatever the number of joints)."""
   joints: tuple[int, ...]
   fitted: tuple[tuple[int, ...], ...]
   children: tuple[tuple[int, ...], ...]
   chain: tuple[tuple[int, int], ...]
-  pair_joint: np.ndarray
-  pair_child: np.ndarray
-  pair_starts: np.ndarray
+  pair_joint: np.ndarray = dataclasses.field(init=False)
+  pair_child: np.ndarray = dataclasses.field(init=False)
+  pair_starts: np.ndarray = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    pairs = {'pair_joint': [j for j, kids in zip(self.joints, self.fitted) for _ in kids],
+             'pair_child': [c for kids in self.fitted for c in kids],
+             'pair_starts': np.cumsum([0] + [len(k) for k in self.fitted[:-1]])}
+    for name, value in pairs.items():
+      object.__setattr__(self, name, np.asarray(value, np.intp))
 
 
 def nearest_rotation(M: np.ndarray) -> np.ndarray:
-  """The rotations `[..., 3, 3]` nearest `M` in the Frobenius norm (SVD, det +1)."""
+  """The rotations `[..., 3, 3]` nearest `M` in the Frobenius norm (SVD, det +1): the numpy
+  twin of `iterative_ik.project_to_so3`, for the host, where a live frame calls it (JAX's
+  eager dispatch per call would cost more than the 3x3 SVD)."""
   U, _, Vt = np.linalg.svd(M)
   flip = np.linalg.det(U @ Vt) < 0  # a reflection: turn the least singular direction
   U[..., :, 2] *= np.where(flip, -1.0, 1.0)[..., None]
   return U @ Vt
 
 
-def fit_children(offsets: np.ndarray, rig: Rig, j: int) -> tuple[int, ...]:
-  """Joint j's children used for its fit (module docstring), or () when they do not span a
-  plane."""
-  offsets = np.asarray(offsets, np.float64)
-  kids = [c for c in rig.children[j] if np.linalg.norm(offsets[c]) > COLOCATED_M]
-  d = offsets[kids] / np.linalg.norm(offsets[kids], axis=-1, keepdims=True) if kids else None
-  span = max((np.linalg.norm(np.cross(d[a], d[b])) for a in range(len(kids))
-              for b in range(a + 1, len(kids))), default=0.0)
-  return tuple(kids) if span > MIN_SPAN else ()
-
-
 def plan(offsets: np.ndarray, rig: Rig) -> Plan:
-  """The subject's `Plan`: every joint with a fit (module docstring)."""
-  children = rig.children
-  fits = [(j, fit_children(offsets, rig, j)) for j in range(rig.num_joints) if children[j]]
-  fits = [(j, kids) for j, kids in fits if kids]
+  """The subject's `Plan`: its `determined` joints (module docstring)."""
+  offsets = np.asarray(offsets, np.float64)
+  colocated = rig.colocated(offsets)
+  joints = tuple(j for j, c in enumerate(rig.observability(offsets)) if c == 'determined')
   need = set()
-  for j, _ in fits:
+  for j in joints:
     while j >= 0 and j not in need:
       need.add(j)
       j = rig.parents[j]
-  return Plan(joints=tuple(j for j, _ in fits), fitted=tuple(k for _, k in fits),
-              children=tuple(children[j] for j, _ in fits),
-              chain=tuple((j, rig.parents[j]) for j in sorted(need)),  # parents first
-              pair_joint=np.asarray([j for j, kids in fits for _ in kids], np.intp),
-              pair_child=np.asarray([c for _, kids in fits for c in kids], np.intp),
-              pair_starts=np.cumsum([0] + [len(k) for _, k in fits[:-1]]).astype(np.intp))
+  return Plan(joints=joints,
+              fitted=tuple(tuple(c for c in rig.children[j] if not colocated[c])
+                           for j in joints),
+              children=tuple(rig.children[j] for j in joints),
+              chain=tuple((j, rig.parents[j]) for j in sorted(need)))  # parents first
 
 
 def fitted_rotations(positions: np.ndarray, offsets: np.ndarray, p: Plan) -> np.ndarray:
