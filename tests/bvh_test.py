@@ -233,6 +233,23 @@ def test_synthetic_mixed_channels():
   np.testing.assert_array_equal(m.offsets[3], [-1, 0, 0])
 
 
+def test_keywords_in_any_case_and_spacing_read_alike():
+  # As Blender's importer reads them: 'hierarchy', 'End site', 'Frames:' in any case, 'Frame
+  # Time:' with any spacing.
+  text = SYNTHETIC
+  for old, new in (("HIERARCHY", "hierarchy"), ("ROOT", "Root"), ("JOINT", "joint"),
+                   ("OFFSET", "Offset"), ("CHANNELS", "channels"), ("End Site", "END site"),
+                   ("MOTION", "Motion"), ("Frames:", "FRAMES:"), ("Frame Time:", "frame   TIME:")):
+    assert old in text
+    text = text.replace(old, new)
+  a, b = bvh.parse_bvh(SYNTHETIC), bvh.parse_bvh(text)
+  assert a.names == b.names and a.parents == b.parents and a.frame_time == b.frame_time
+  np.testing.assert_array_equal(a.motion, b.motion)
+  np.testing.assert_array_equal(a.offsets, b.offsets)
+  assert [j.channels for j in a.joints] == [j.channels for j in b.joints]
+  np.testing.assert_array_equal(a.joints[2].end_site, b.joints[2].end_site)
+
+
 def test_synthetic_round_trip_is_exact():
   m = bvh.parse_bvh(SYNTHETIC)
   text = bvh.format_bvh(m)

@@ -247,11 +247,11 @@ class _HierarchyParser:
         continue
       line = idx + 1
       if not header_seen:
-        if tokens != ["HIERARCHY"]:
+        if [t.upper() for t in tokens] != ["HIERARCHY"]:
           raise self.error(line, f"expected 'HIERARCHY', got {raw.strip()!r}")
         header_seen = True
         continue
-      if tokens[0] == "MOTION":
+      if tokens[0].upper() == "MOTION":
         self._finish(line)
         if len(tokens) > 1:
           raise self.error(line, f"unexpected text after MOTION: {tokens[1]!r}")
@@ -278,9 +278,11 @@ class _HierarchyParser:
 
   def _statement(self, line: int, tokens: list[str]) -> list[str]:
     """Consumes one statement from ``tokens``; returns the rest of the line."""
-    key, rest = tokens[0], tokens[1:]
+    rest = tokens[1:]
+    # Keywords in any case, as Blender's importer reads them ('End site', 'Offset').
+    key = tokens[0].upper()
     if self.pending and key != "{":
-      raise self.error(line, f"expected '{{' after line {self.pending[2]}, got {key!r}")
+      raise self.error(line, f"expected '{{' after line {self.pending[2]}, got {tokens[0]!r}")
     if key == "{":
       if not self.pending:
         raise self.error(line, "unexpected '{'")
@@ -292,8 +294,8 @@ class _HierarchyParser:
       return rest
     if key in ("ROOT", "JOINT"):
       return self._joint(line, key, rest)
-    if key == "End":
-      if not rest or rest[0] != "Site":
+    if key == "END":
+      if not rest or rest[0].upper() != "SITE":
         raise self.error(line, "expected 'End Site'")
       return self._end_site(line, rest[1:])
     if key == "OFFSET":
@@ -301,7 +303,7 @@ class _HierarchyParser:
     if key == "CHANNELS":
       return self._channels(line, rest)
     raise self.error(
-        line, f"unknown keyword {key!r} (expected ROOT, JOINT, End Site, "
+        line, f"unknown keyword {tokens[0]!r} (expected ROOT, JOINT, End Site, "
         "OFFSET, CHANNELS, '{' or '}')")
 
   def _close(self, line: int) -> None:
@@ -393,9 +395,11 @@ def _header_value(src: str, lines: list[str], idx: int, label: str) -> tuple[str
   if idx >= len(lines):
     raise BVHError(src, _last_line(lines), f"missing '{label}' line in MOTION section")
   text = lines[idx].strip()
-  if not text.startswith(label):
+  words, want = text.split(), label.split()
+  # The label in any case and spacing ('FRAMES:', 'Frame  Time:'), as Blender reads it.
+  if [w.lower() for w in words[:len(want)]] != [w.lower() for w in want]:
     raise BVHError(src, idx + 1, f"expected '{label} ...', got {text!r}")
-  value = text[len(label):].split()
+  value = words[len(want):]
   if len(value) != 1:
     raise BVHError(src, idx + 1, f"expected one value after '{label}', got {value}")
   return value[0], idx
