@@ -231,7 +231,7 @@ class SubjectBias:
       self._subject = (key, p)
     p = self._subject[1]
     local_rot = np.asarray(local_rot)
-    if not p.joints:
+    if not p.joints or not len(local_rot):  # nothing to correct, nothing to learn from
       return local_rot
     terms = bias_terms(local_rot, positions, offsets, p)
     running = np.cumsum(terms, axis=0)

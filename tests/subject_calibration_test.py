@@ -126,6 +126,7 @@ def test_frames_without_the_children_are_left_out_and_the_stream_is_causal():
   assert max(_angle(E[j], B.T) for j, B in BIASES.items()) < 1e-6 and np.isfinite(out).all()
   stream = sc.SubjectBias()
   first = stream.calibrate(biased[:20], p[:20], RIG.template(), RIG)
+  assert stream.calibrate(biased[:0], p[:0], RIG.template(), RIG).shape == (0,) + R.shape[1:]
   rest = stream.calibrate(biased[20:], p[20:], RIG.template(), RIG)
   # An exact bias: removed from the second frame on; one frame shows no scatter to weigh it by.
   np.testing.assert_allclose(first[0], biased[0], atol=1e-6)
