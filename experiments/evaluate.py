@@ -3,7 +3,7 @@
   python -m experiments.evaluate --data=DIR --split=test \
       --method=ikgat|iterative|iterative_noprior|swing|mean_pose [--checkpoint=DIR] [--prior=DIR] \
       [--iters=N] [--warm_start] [--noise_mm=S] [--max_frames=N] [--refine_iters=N] \
-      [--[no]refine_prior] [--mirror] [--subject_calibration] \
+      [--[no]refine_prior] [--mirror] [--subject_calibration] [--offsets=template] \
       [--matmul_precision=float32|bfloat16] \
       [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B] \
       [--trackers=full|6|10|A,B,C] [--joint_dropout=P] [--orientations=A,B,C] [--end_sites] \
@@ -22,7 +22,9 @@ the result's `sparse` entry records them and `local_rot_err_deg_by_class.leaf` i
 the joints positions cannot show (head, hands, toes). --filter filters any
 method's output causally per file (temporal.py); ikgat defaults to its checkpoint's `temporal`
 config (none for the shipped one), the other methods to none; the other --filter_* flags override
-single fields.
+single fields. --offsets=template gives every method (and --subject_calibration) the rig's
+template offsets instead of each subject's own, as the solver has for positions alone; the
+errors stay against the subject's own rotations.
 """
 
 from pathlib import Path
@@ -75,6 +77,10 @@ _SUBJECT_CAL = flags.DEFINE_boolean('subject_calibration', False, 'Turn the join
                                     'children branch (the root, the chest) by each file\'s '
                                     'subject\'s biases there, measured on the file\'s input '
                                     'frames (ik_gat_jax/subject_calibration.py).')
+_OFFSETS = flags.DEFINE_enum('offsets', 'subject', list(evaluation.OFFSETS), 'Rest offsets '
+                             'given to the method: each subject\'s own, or the rig\'s template '
+                             '(what the solver takes for positions alone); errors stay against '
+                             'the subject\'s own rotations.')
 _WARM = flags.DEFINE_boolean('warm_start', False, 'Warm start over windows of each clip.')
 _NOISE = flags.DEFINE_float('noise_mm', 0.0, 'Gaussian input noise per coordinate (mm).')
 _MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate at most this many frames.')
@@ -149,7 +155,8 @@ def main(argv):
                                    _TRACKERS.value, _JOINT_DROPOUT.value,
                                    tuple(_ORIENTATIONS.value), _SEED.value,
                                    end_sites=_END_SITES.value),
-                               subject_calibration=_SUBJECT_CAL.value)
+                               subject_calibration=_SUBJECT_CAL.value,
+                               offsets=_OFFSETS.value)
   result['command'] = provenance.command_line()
   print(evaluation.markdown_table(result))
   atomic.write_json(out, result)

@@ -130,10 +130,14 @@ def run_clips(method: Method, positions: np.ndarray, offsets: np.ndarray,
   return out, seconds, compile_s
 
 
+OFFSETS = ('subject', 'template')  # `evaluate`'s `offsets`
+
+
 def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
              noise_mm: float = 0.0, seed: int = 0,
              temporal_filter: temporal.FilterConfig | None = None,
-             sparse: SparseInputs | None = None, subject_calibration: bool = False) -> dict:
+             sparse: SparseInputs | None = None, subject_calibration: bool = False,
+             offsets: str = 'subject') -> dict:
   """Runs `method` on `data` (a `data.Dataset`) and returns the result JSON object.
 
   `sparse` (issue G2): observed joints (tracker subset and/or random dropout: the others reach
@@ -148,10 +152,19 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
   at the joints whose children branch, measured on that file's input frames
   (`subject_calibration.calibrate_clip`, as `IKSolver(subject_calibration=True)` does for a
   clip); its time is part of `seconds`.
+
+  `offsets`: the rest offsets the method (and the calibration) is given: 'subject' (each
+  frame's subject's own) or 'template' (the rig's template, as `IKSolver` takes for an input of
+  positions alone, without the subject's offsets). The errors are always against the
+  subject's own rotations and FK, so 'template' measures what not knowing them costs.
   """
+  if offsets not in OFFSETS:
+    raise ValueError(f'offsets must be one of {", ".join(OFFSETS)}, got {offsets!r}')
   idx = select_frames(data, max_frames)
   batch = {k: np.asarray(v) for k, v in
            input_pipeline.gather_batch(data, idx).items()}
+  given = (batch['offsets'] if offsets == 'subject' else
+           np.broadcast_to(rig.template(), batch['offsets'].shape).astype(batch['offsets'].dtype))
   file_ids = np.asarray(data.file_id[idx])
   noisy = add_noise(batch['positions'], noise_mm, seed)
   sparse = sparse or SparseInputs()
@@ -163,10 +176,9 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
         file_ids, frame_index), k, data.fps / float(method.info['input_window_fps']))
     noisy = np.concatenate([windows.interpolate(noisy, i0, i1, w), noisy[:, None]], axis=1)
   if method.clip_solve is not None:
-    pred, seconds, compile_s = run_clips(method, noisy, batch['offsets'], file_ids)
+    pred, seconds, compile_s = run_clips(method, noisy, given, file_ids)
   else:
-    pred, seconds, compile_s = run_chunked(method.solve, noisy, batch['offsets'], method.chunk,
-                                           extras)
+    pred, seconds, compile_s = run_chunked(method.solve, noisy, given, method.chunk, extras)
   temporal_filter = temporal_filter or temporal.FilterConfig()
   if temporal_filter.active:
     filt = lambda: temporal.filter_clips(pred, file_ids, temporal_filter, data.fps, frame_index)
@@ -183,7 +195,7 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
     for f in np.unique(file_ids):
       rows = np.flatnonzero(file_ids == f)
       pred[rows] = subject_calibration_lib.calibrate_clip(pred[rows], seen[rows],
-                                                       batch['offsets'][rows[0]], rig)[0]
+                                                       given[rows[0]], rig)[0]
     seconds += time.perf_counter() - t
   errors = metrics.compute_errors_batched(pred, batch['local_rot'], batch['offsets'],
                                           batch['bone_frames'], batch['positions'], rig)
@@ -191,7 +203,7 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
   result.update(seconds=seconds, compile_seconds=compile_s,
                 frames_per_s=len(idx) / max(seconds, 1e-9), noise_mm=noise_mm,
                 settings=method.info, temporal_filter=temporal_filter.to_dict(),
-                subject_calibration=bool(subject_calibration))
+                subject_calibration=bool(subject_calibration), offsets=offsets)
   result.update(metrics.jitter_summary(pred, batch['local_rot'], file_ids, data.fps, rig,
                                        frame_index))
   if sparse_info:

@@ -657,6 +657,7 @@ class IKSolver:
     # `_subject_bias`.
     self.subject_calibration = bool(subject_calibration)
     self._subject_bias = subject_calibration_lib.SubjectBias()
+    self._calibration_offsets_seen: set[bytes] = set()  # `_calibration_offsets`
     self._step_pos = None  # the frame `_step` solved last (rig metres, dropouts held)
     # Tracker dropouts (NaN joints) held from earlier frames (`hold_missing_joints`); the
     # stream's state for `step` / `solve_stream` in `_held` (`reset`).
@@ -869,6 +870,27 @@ class IKSolver:
         raise InputError('estimate_lengths needs the input positions')
       off = check_offsets(estimate_offsets(positions, off, self.rig), self.rig)
     return off
+
+  def _calibration_offsets(self, offsets: np.ndarray) -> np.ndarray:
+    """`offsets`, for the subject calibration; warns once per subject where their bones point
+    as the template's do (no subject offsets given, or only its lengths): the calibration
+    then fits the template's hips and shoulders, not the subject's, which raises the error
+    against the subject's own rotations (BENCHMARKS.md "Without the subject's offsets")."""
+    key = np.asarray(offsets, np.float64).tobytes()
+    if key in self._calibration_offsets_seen:
+      return offsets
+    self._calibration_offsets_seen.add(key)
+    try:
+      template = self.rig.template()
+    except RigError:
+      return offsets
+    unit = lambda o: o / np.maximum(np.linalg.norm(o, axis=-1, keepdims=True), 1e-12)
+    if np.allclose(unit(np.asarray(offsets, np.float64)), unit(template), atol=1e-6):
+      warnings.warn('subject calibration with the template\'s rest offsets, not the '
+                    'subject\'s: it fits the template\'s hips and shoulders and raises the error; '
+                    'give the subject\'s offsets (offsets=, --offsets_from=BVH, an npz\'s '
+                    '`offsets`) or leave the calibration off', stacklevel=3)
+    return offsets
 
   def _device_subject(self, offsets: np.ndarray) -> tuple[jax.Array, jax.Array, np.ndarray]:
     """(offsets, B) on device, float32, and B float64 on the host; cached per subject."""
@@ -1099,7 +1121,8 @@ class IKSolver:
     if self.temporal_filter.active and len(pos) > 1:
       out = self._filter_clip(out, pos, subject)
     if self.subject_calibration:
-      local, _ = subject_calibration_lib.calibrate_clip(out['local_rot'], pos, off, self.rig)
+      local, _ = subject_calibration_lib.calibrate_clip(out['local_rot'], pos,
+                                                        self._calibration_offsets(off), self.rig)
       root = out['positions_fk'][:, 0] if 'positions_fk' in out else pos[:, 0]  # refined: fitted
       out = self._with_local(out, local, root, subject)
     if not full:
@@ -1243,7 +1266,7 @@ class IKSolver:
     local = self._step(frame, offsets, mask, orientations, orientation_mask, end_sites)
     if not self.subject_calibration:
       return local
-    off = self.offsets if offsets is None else offsets  # checked by `_step`
+    off = self._calibration_offsets(self.offsets if offsets is None else offsets)  # checked
     return self._subject_bias.calibrate(local[None], self._step_pos, off, self.rig)[0]
 
   def _step(self, frame, offsets=None, mask=None, orientations=None,
@@ -1349,7 +1372,7 @@ class IKSolver:
       local = self._filter_stream(
           self._run(pos, subject, False, self._stream_history(pos))['local_rot'])
       if self.subject_calibration:
-        local = self._subject_bias.calibrate(local, pos, off, self.rig)
+        local = self._subject_bias.calibrate(local, pos, self._calibration_offsets(off), self.rig)
       yield local[0] if single else local
 
   @property

@@ -2,6 +2,8 @@
 children branch, measured on its own frames, and their use by the solver (clips, streams), the
 command line and the evaluation."""
 
+import warnings
+
 import numpy as np
 import pytest
 from scipy.spatial.transform import Rotation
@@ -189,6 +191,15 @@ def test_the_solver_calibrates_clips_and_streams(solver, cmu_dir):
   np.testing.assert_allclose(sol.global_rot[:, kept], raw.global_rot[:, kept], atol=1e-5)
   for j, e in E.items():
     assert _angle(sol.global_rot[:, j], raw.global_rot[:, j] @ e) < 1e-3
+  # Without the subject's offsets (the template's, or only its bone lengths) the fits are
+  # the template's: warned once per subject, never for the subject's own.
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    solver.solve(clip.positions[:4], offsets=clip.offsets)
+  with pytest.warns(UserWarning, match="template's rest offsets"):
+    solver.solve(clip.positions[:4])
+  with pytest.warns(UserWarning, match="template's rest offsets"):
+    solver.solve(clip.positions[:4], estimate_lengths=True)
   # A stream: each frame by the biases of the frames so far; the last one's are the clip's.
   solver.offsets = clip.offsets
   solver.reset()
@@ -215,6 +226,18 @@ def test_evaluation_calibrates_each_file(cmu_shards):
     was, now = (r['per_joint'][name]['global_rot_err_deg'] for r in (off, on))
     print(f'{name} world error {was:.3f} -> {now:.3f} deg')
     assert now < was, name
+  # Given the rig's template instead of the subject's offsets (positions alone), the errors,
+  # still against the subject's own rotations, are higher, and the calibration, fitting the
+  # template's hips and shoulders, raises them further (val's first 200 frames).
+  tmpl = evaluation.evaluate(method, ds, ds.rig, max_frames=200, offsets='template')
+  tmpl_on = evaluation.evaluate(method, ds, ds.rig, max_frames=200, offsets='template',
+                                subject_calibration=True)
+  assert (off['offsets'], tmpl['offsets']) == ('subject', 'template')
+  errs = [r['local_rot_err_deg'] for r in (on, off, tmpl, tmpl_on)]
+  print('local error: subject calibrated / subject / template / template calibrated', errs)
+  assert errs == sorted(errs)
+  with pytest.raises(ValueError, match='offsets must be one of'):
+    evaluation.evaluate(method, ds, ds.rig, max_frames=8, offsets='mean')
   # Only the calibrated joints and their children move: every other joint's error stays.
   moved = {n for j in (HIPS, CHEST) for n in
            [RIG.joint_names[j]] + [RIG.joint_names[c] for c in RIG.children[j]]}
