@@ -12,8 +12,8 @@ rig order, header optional), .bvh (joint positions by FK, the file's own rest of
 by extension: .bvh (the rig with the subject's offsets, animated, in the rig's joint names; for
 a BVH input in its units and, per joint, the rotation channel order of the source joint it maps
 from (ZYX for a joint without one), else centimetres and ZYX; --bvh_units=cm|m|inch|NUMBER sets
-the units), .npz (rotations, FK positions, offsets), .smpl.npz (SMPL axis-angle pose
-parameters `[T, 66]`, smpl22 rig only; --smpl_world=amass for AMASS's z-up world), .glb (glTF
+the units), .npz (rotations, FK positions, offsets and whose: `offsets_source`), .smpl.npz
+(SMPL axis-angle pose parameters `[T, 66]`, smpl22 rig only; --smpl_world=amass for AMASS's z-up world), .glb (glTF
 2.0 binary: the rig as nodes, the motion as animation, a box body skinned to it; io/gltf.py),
 .fbx (the same GLB converted by headless Blender, which must be on PATH; io/blender.py).
 Every output is written to a temp file and renamed once everything succeeded; an existing output is
@@ -176,6 +176,12 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                                   bvh_fps=fps)
   M = solver_lib.parse_input_axes(input_axes, rig)
   offsets = None if offsets_from is not None else _subject_offsets(source, M)
+  # Which rest pose the rotations are relative to (the summary's and an npz's `offsets`).
+  offsets_source = ('offsets_from' if offsets_from is not None else
+                    'input' if offsets is not None else 'template')
+  if offsets_source == 'template':
+    log('offsets: the rig\'s template (the input has none), so the rotations are relative to '
+        'its rest pose; --offsets_from=BVH gives the subject\'s own')
   rate = float(fps or source.fps or 30.0)
   solver.fps = rate
   mask, orient = _sparse_inputs(solver, trackers, orientations, len(source.positions))
@@ -185,7 +191,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                      progress=progress, mask=mask, orientations=orient, end_sites=ends)
   bvh_out = _bvh_output(source, bvh_units, rig)
   with exports.staged([output, smpl_npz, plot, clip], overwrite) as (out, smpl, png, frames):
-    _write_main(kind, out, sol, rig, rate, bvh_out, smpl_world, solver)
+    _write_main(kind, out, sol, rig, rate, bvh_out, smpl_world, solver, offsets_source)
     if smpl is not None:
       exports.write_smpl_npz(smpl, sol, rig, rate, world=smpl_world)
     _write_pictures(png, frames, sol, rig, rate, plot_frames, clip_frames)
@@ -193,6 +199,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   err = err[np.isfinite(err)] if not np.isfinite(err).all() else err  # missing joints (G2)
   summary = {'frames': sol.num_frames, 'rig': rig.name, 'joints': rig.num_joints,
              'checkpoint': solver.source, 'output': str(output), 'fps': rate,
+             'offsets': offsets_source + (', lengths estimated' if estimate_lengths else ''),
              'temporal_filter': solver.temporal_filter.describe(),
              'matmul_precision': solver.matmul_precision,
              'fk_error_mm_mean': float(err.mean()), 'fk_error_mm_max': float(err.max()),
@@ -267,7 +274,7 @@ def _end_sites(solver, end_sites: str | None, source) -> np.ndarray | None:
   return ends
 
 
-def _write_main(kind, path, sol, rig, fps, bvh_out, smpl_world, solver) -> None:
+def _write_main(kind, path, sol, rig, fps, bvh_out, smpl_world, solver, offsets_source) -> None:
   if kind == 'bvh':
     units_m, orders = bvh_out
     exports.write_solution_bvh(path, sol, rig, fps, units=units_m, orders=orders)
@@ -279,7 +286,8 @@ def _write_main(kind, path, sol, rig, fps, bvh_out, smpl_world, solver) -> None:
     exports.write_solution_fbx(path, sol, rig, fps)
   else:
     exports.write_npz_atomic(path, exports.solution_arrays(
-        sol, rig, fps, {'checkpoint': np.asarray(str(solver.source))}))
+        sol, rig, fps, {'checkpoint': np.asarray(str(solver.source)),
+                        'offsets_source': np.asarray(offsets_source)}))
 
 
 def _write_pictures(png, frames_out, sol, rig, fps, plot_frames, clip_frames) -> None:

@@ -74,7 +74,8 @@ def test_cmu_clip_bvh_solve_bvh_with_the_shipped_model(cmu_dir, tmp_path):
   from ik_gat_jax.io import bvh, exports
   out = tmp_path / 'solved.bvh'
   src = cmu_dir / '07_05.bvh'
-  solve.solve_file(src, out, offsets_from=str(src), log=lambda m: None)
+  summary = solve.solve_file(src, out, offsets_from=str(src), log=lambda m: None)
+  assert summary['offsets'] == 'offsets_from'
   solver_rig = skeleton.cmu_body()
   clip = exports.read_bvh_clip(src, solver_rig)
   from ik_gat_jax import IKSolver

@@ -51,8 +51,12 @@ def _leftovers(directory: Path) -> list[str]:
 @pytest.mark.filterwarnings('ignore:up axis looks wrong')  # an untrained model's poses
 def test_npz_to_bvh_and_npz(ckpt, clip_npz, tmp_path):
   path, pos = clip_npz
-  summary = solve.solve_file(path, tmp_path / 'out.bvh', checkpoint=ckpt, log=_quiet)
+  said = []
+  summary = solve.solve_file(path, tmp_path / 'out.bvh', checkpoint=ckpt, log=said.append)
   assert summary['frames'] == 6 and summary['rig'] == 'cmu_body'
+  # Positions alone: the template's rest pose, said once.
+  assert summary['offsets'] == 'template'
+  assert sum("the rig's template" in m for m in said) == 1
   motion = bvh.read_bvh(tmp_path / 'out.bvh')
   assert motion.num_frames == 6 and motion.fps == pytest.approx(30.0)
   solve.solve_file(path, tmp_path / 'out.npz', checkpoint=ckpt, log=_quiet)
@@ -63,10 +67,15 @@ def test_npz_to_bvh_and_npz(ckpt, clip_npz, tmp_path):
     np.testing.assert_allclose(bvh.naive_fk_np(motion, 0.01)[:, order], z['positions_fk'],
                                atol=1e-4)
     fk = z['positions_fk']
+    assert str(z['offsets_source']) == 'template'
   # Re-solving the written BVH: its positions are the first solve's FK positions.
-  solve.solve_file(tmp_path / 'out.bvh', tmp_path / 'again.npz', checkpoint=ckpt, log=_quiet)
+  said.clear()
+  summary = solve.solve_file(tmp_path / 'out.bvh', tmp_path / 'again.npz', checkpoint=ckpt,
+                             log=said.append)
+  assert summary['offsets'] == 'input' and not any("the rig's template" in m for m in said)
   with np.load(tmp_path / 'again.npz') as z:
     np.testing.assert_allclose(z['positions'], fk, atol=1e-4)
+    assert str(z['offsets_source']) == 'input'
   assert _leftovers(tmp_path) == []
 
 
