@@ -13,8 +13,9 @@ by extension: .bvh (the rig with the subject's offsets, animated, in the rig's j
 a BVH input in its units and, per joint, the rotation channel order of the source joint it maps
 from (ZYX for a joint without one), else centimetres and ZYX; --bvh_units=cm|m|inch|NUMBER sets
 the units), .npz (rotations, FK positions, offsets and whose: `offsets_source`), .smpl.npz
-(SMPL axis-angle pose parameters `[T, 66]`, smpl22 rig only; --smpl_world=amass for AMASS's z-up world), .glb (glTF
-2.0 binary: the rig as nodes, the motion as animation, a box body skinned to it; io/gltf.py),
+(SMPL axis-angle pose parameters `[T, 66]`, smpl22 rig only; --smpl_world=amass for AMASS's
+z-up world), .glb (glTF 2.0 binary: the rig as nodes, the motion as animation, a box body
+skinned to it; io/gltf.py),
 .fbx (the same GLB converted by headless Blender, which must be on PATH; io/blender.py).
 Every output is written to a temp file and renamed once everything succeeded; an existing output is
 refused without --overwrite; every error is one line on stderr with exit status 2. The command
