@@ -82,6 +82,14 @@ def _deg(x) -> float:
   return float(np.degrees(x))
 
 
+def position_error_mm(a: np.ndarray, b: np.ndarray, rig: Rig) -> float:
+  """Mean distance in mm between two `[T, J, 3]` position sets (metres) over MPJPE's joints
+  (not the root, not those co-located with their parent)."""
+  m = _joint_masks(rig)['mpjpe']
+  return float(1000.0 * np.linalg.norm(np.asarray(a, np.float64)[:, m]
+                                       - np.asarray(b, np.float64)[:, m], axis=-1).mean())
+
+
 def summarize(errors: Mapping[str, np.ndarray], rig: Rig) -> dict:
   """`[N, J]` error arrays -> the JSON fields of DESIGN section 9 (degrees, millimetres).
 

@@ -1,7 +1,8 @@
 r"""Solve joint positions to joint rotations from the command line (DESIGN section 9).
 
   python -m ik_gat_jax.solve --input=FILE --output=FILE [--checkpoint=DIR] \
-      [--offsets_from=BVH] [--units=m] [--input_axes=x,y,z] [--fps=30] [--estimate_lengths] \
+      [--offsets_from=BVH] [--units=m] [--input_axes=x,y,z] [--fps=30] \
+      [--estimate_lengths | --fit_offsets] \
       [--bvh_units=UNITS] \
       [--overwrite] [--plot=PNG --plot_frames=0,10,20] [--clip=GIF_OR_DIR] [--smpl_npz=FILE] \
       [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B] [--subject_calibration]
@@ -99,7 +100,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                offsets_from: str | None = None, offsets_units: str | None = None,
                joint_map: str | None = None, units: str | None = None,
                input_axes: str | None = None, fps: float | None = None,
-               estimate_lengths: bool = False, overwrite: bool = False,
+               estimate_lengths: bool = False, fit_offsets: bool = False,
+               overwrite: bool = False,
                plot: str | None = None, plot_frames: str | None = None,
                clip: str | None = None, clip_frames: str | None = None,
                smpl_npz: str | None = None, smpl_world: str = 'rig',
@@ -118,7 +120,9 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
 
   `rig` (a name or rig JSON) refuses a checkpoint for another rig. Offsets (the subject R is
   relative to): `offsets_from` (a BVH), else the input's own (a BVH's
-  rest offsets, an npz's `offsets`), else the checkpoint's template; `estimate_lengths` rescales
+  rest offsets, an npz's `offsets`), else the checkpoint's template; `fit_offsets` replaces
+  them after solving by the ones the solved rotations imply (`solver.fitted_offsets`: the
+  written skeleton then reproduces the input; the rotations unchanged); `estimate_lengths` rescales
   them to the input's bone lengths. `units`: metres per input unit (for a BVH: its file units,
   default the joint map's, or cm for a BVH with the rig's joint names). `input_axes`: the
   signed input column per rig axis (`solver.parse_input_axes`), applied after units. `fps`:
@@ -178,16 +182,18 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   M = solver_lib.parse_input_axes(input_axes, rig)
   offsets = None if offsets_from is not None else _subject_offsets(source, M)
   # Which rest pose the rotations are relative to (the summary's and an npz's `offsets`).
-  offsets_source = ('offsets_from' if offsets_from is not None else
-                    'input' if offsets is not None else 'template')
+  offsets_source = ('fitted' if fit_offsets else 'offsets_from' if offsets_from is not None
+                    else 'input' if offsets is not None else 'template')
   if offsets_source == 'template':
     log('offsets: the rig\'s template (the input has none), so the rotations are relative to '
-        'its rest pose; --offsets_from=BVH gives the subject\'s own')
+        'its rest pose; --offsets_from=BVH gives the subject\'s own, --fit_offsets a skeleton '
+        'that reproduces the input')
   rate = float(fps or source.fps or 30.0)
   solver.fps = rate
   mask, orient = _sparse_inputs(solver, trackers, orientations, len(source.positions))
   ends = _end_sites(solver, end_sites, source)
   sol = solver.solve(source.positions, offsets=offsets, estimate_lengths=estimate_lengths,
+                     fit_offsets=fit_offsets,
                      units=None if source.metres_rig else units, input_axes=M, full=True,
                      progress=progress, mask=mask, orientations=orient, end_sites=ends)
   bvh_out = _bvh_output(source, bvh_units, rig)
@@ -332,6 +338,8 @@ def define_flags() -> None:
   flags.DEFINE_float('fps', None, 'Frame rate of an npz/csv input (default: its `fps`, else '
                      '30); a BVH input is resampled to it (default: its own rate).')
   b('estimate_lengths', False, 'Bone lengths from the input (directions from the offsets).')
+  b('fit_offsets', False, 'After solving, the offsets the solved rotations imply, so the written '
+    'skeleton reproduces the input (rotations unchanged).')
   b('overwrite', False, 'Replace existing outputs.')
   s('plot', None, 'PNG of input joints vs solved skeleton for --plot_frames.')
   s('plot_frames', None, 'Frames for --plot, e.g. 0,10,20 (default: 4 evenly spaced).')
@@ -428,6 +436,7 @@ def main(argv) -> None:
       solve_file(F.input, F.output, checkpoint=F.checkpoint, rig=F.rig, offsets_from=F.offsets_from,
                  offsets_units=F.offsets_units, joint_map=F.joint_map, units=F.units,
                  input_axes=F.input_axes, fps=F.fps, estimate_lengths=F.estimate_lengths,
+                 fit_offsets=F.fit_offsets,
                  overwrite=F.overwrite, plot=F.plot, plot_frames=F.plot_frames, clip=F.clip,
                  clip_frames=F.clip_frames, smpl_npz=F.smpl_npz, smpl_world=F.smpl_world,
                  bvh_units=F.bvh_units,

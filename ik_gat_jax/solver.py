@@ -19,7 +19,13 @@ Offsets. R is relative to one subject's rest offsets `o_j` (metres, each in its 
 given, read from a BVH, or the checkpoint rig's template; `estimate_lengths=True` keeps their
 directions and takes each bone's length from the input (median over frames; directions never
 come from the input, which shows a posed body). The bone frames B come from these offsets, so
-the output BVH, written with exactly these offsets, reproduces `positions_fk`.
+the output BVH, written with exactly these offsets, reproduces `positions_fk`. Without the
+subject's offsets the rotations are relative to the template's rest pose, whose bones point a
+few degrees from the subject's, so FK on the template misses the input (18 mm on clean CMU val);
+`fit_offsets=True` (`full=True` only) then replaces the offsets after solving by the ones the
+solved rotations imply, `o_j = mean_t G_p,t^T (x_j,t - x_p,t)` (`fitted_offsets`): the rotations
+stay as they are, every bone vector is nearest the input's on average, and the output skeleton
+reproduces the input (1.3 mm; BENCHMARKS.md "Without the subject's offsets").
 
 Compilation. One jitted forward (model merged, deterministic) over `[b, J, 3]` with b a bucket:
 1, 2, 4, ... up to `block_size` (a power-of-two ladder, ending at `block_size`). A batch is
@@ -430,6 +436,22 @@ def estimate_offsets(positions: np.ndarray, base_offsets: np.ndarray, rig: Rig) 
                     'input; keeping its template length', stacklevel=3)
       continue
     out[j] *= observed[j] / n
+  return out
+
+
+def fitted_offsets(global_rot: np.ndarray, positions: np.ndarray, base_offsets: np.ndarray,
+                   rig: Rig) -> np.ndarray:
+  """`[J, 3]` the rest offsets that solved world rotations `global_rot [T, J, 3, 3]` imply for
+  `positions [T, J, 3]` (finite, metres, rig axes): each joint's offset from its parent in the
+  parent's solved frame, averaged over the frames, `o_j = mean_t G_p,t^T (x_j,t - x_p,t)`, the
+  offset whose bone vector `G_p,t o_j` is nearest the input's (least squares). Joints
+  co-located with their parent in `base_offsets` stay so; the root row is kept."""
+  G = np.asarray(global_rot, np.float64)
+  x = np.asarray(positions, np.float64)
+  out = np.array(base_offsets, np.float64)
+  kids = [j for j, p in enumerate(rig.parents) if p >= 0 and np.linalg.norm(out[j]) > 1e-6]
+  ups = [rig.parents[j] for j in kids]
+  out[kids] = np.einsum('tjba,tjb->ja', G[:, ups], x[:, kids] - x[:, ups]) / len(x)
   return out
 
 
@@ -1095,7 +1117,8 @@ class IKSolver:
   def solve(self, positions, *, offsets=None, estimate_lengths: bool = False,
             units: str | float | None = None, input_axes: str | np.ndarray | None = None,
             full: bool = False, check: bool = True, progress: bool | None = None,
-            mask=None, orientations=None, orientation_mask=None, end_sites=None):
+            mask=None, orientations=None, orientation_mask=None, end_sites=None,
+            fit_offsets: bool = False):
     """Solves a clip `[T, J, 3]` or one frame `[J, 3]` (rig joint order).
 
     Returns local rotations `[T, J, 3, 3]` (`[J, 3, 3]` for one frame), float32 numpy; with
@@ -1104,7 +1127,14 @@ class IKSolver:
     `mask [T, J]` / `[J]` (1 = observed; NaN joints count as missing too), `orientations
     [T, J, 3, 3]` / `[J, 3, 3]` and `orientation_mask`, `end_sites [T, E, 3]` / `[E, 3]` (in
     the positions' units and axes; NaN = not given): sparse inputs (module docstring).
+    `fit_offsets` (with `full`): the Solution's offsets fitted to the input after solving
+    (`fitted_offsets`; the rotations unchanged, the FK outputs and bone frames from them).
     """
+    if fit_offsets and estimate_lengths:
+      raise InputError('give estimate_lengths or fit_offsets, not both (fit_offsets fits the '
+                       'lengths too)')
+    if fit_offsets and not full:
+      raise InputError('fit_offsets sets the Solution\'s offsets: ask for full=True')
     pos, single = self.prepare(positions, units=units, input_axes=input_axes, check=check)
     if end_sites is not None:  # the positions' units and axes (NaN = not given)
       with np.errstate(invalid='ignore'):
@@ -1113,8 +1143,9 @@ class IKSolver:
     sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
     if self.window > 1:  # the same causal windows as a stream of these frames (windows.py)
       sparse = {'history': windows.clip_history(pos, self.window, self.window_ratio)}
-    if sparse is not None and 'joint_mask' in sparse and estimate_lengths:
-      raise InputError('estimate_lengths needs every joint; give the subject\'s offsets')
+    if sparse is not None and 'joint_mask' in sparse and (estimate_lengths or fit_offsets):
+      raise InputError(f'{"fit_offsets" if fit_offsets else "estimate_lengths"} needs every '
+                       'joint; give the subject\'s offsets')
     off = self.resolve_offsets(pos, offsets, estimate_lengths)
     subject = self._device_subject(off)
     out = self._solve_chunks(pos, subject, full, progress, sparse)
@@ -1125,6 +1156,10 @@ class IKSolver:
                                                         self._calibration_offsets(off), self.rig)
       root = out['positions_fk'][:, 0] if 'positions_fk' in out else pos[:, 0]  # refined: fitted
       out = self._with_local(out, local, root, subject)
+    if fit_offsets:  # the rotations kept; the skeleton and its FK from the fitted offsets
+      off = fitted_offsets(out['global_rot'], pos, off, self.rig)
+      subject = self._device_subject(off)
+      out = self._with_local(out, out['local_rot'], out['positions_fk'][:, 0], subject)
     if not full:
       return out['local_rot'][0] if single else out['local_rot']
     return Solution(positions=pos.astype(np.float32), offsets=np.array(off),  # the caller's copy

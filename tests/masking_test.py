@@ -241,6 +241,8 @@ def test_solver_nan_joints_are_missing(rig, tmp_path):
   solver.solve(pos, orientations=np.broadcast_to(np.eye(3), (4, rig.num_joints, 3, 3)))
   with pytest.raises(InputError, match='estimate_lengths'):
     solver.solve(holes, estimate_lengths=True)
+  with pytest.raises(InputError, match='fit_offsets needs every joint'):
+    solver.solve(holes, full=True, fit_offsets=True)
   # A checkpoint without masks: NaN keeps its error; a mask or orientations are refused.
   plain_cfg = test_config.get_config()
   _save(inference.IKGAT_TASK.build(plain_cfg, rig, nnx.Rngs(0), None), plain_cfg, rig,

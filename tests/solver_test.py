@@ -121,6 +121,36 @@ def test_estimate_lengths_keeps_template_directions(solver):
   np.testing.assert_allclose(sol.offsets, off)
 
 
+def test_fitted_offsets_are_the_ones_the_rotations_imply(solver):
+  rig = solver.rig
+  rng = np.random.default_rng(4)
+  # Any rotations and any offsets (bones turned and stretched; co-located joints kept so):
+  # from the FK positions, the offsets come back exactly.
+  subject = solver.offsets * rng.uniform(0.8, 1.2, (rig.num_joints, 1))
+  subject = np.einsum('jab,jb->ja', random_rotations((rig.num_joints,), 0.3, 5), subject)
+  R = random_rotations((7, rig.num_joints), 0.8, 6)
+  G, p = fk_np(R, subject, rig.parents, rng.normal(size=(7, 3)))
+  fit = solver_lib.fitted_offsets(G, p, solver.offsets, rig)
+  np.testing.assert_allclose(fit[1:], subject[1:], atol=1e-12)
+  np.testing.assert_array_equal(fit[0], solver.offsets[0])
+  # Solved on the template's: the same rotations, a skeleton nearer the input, its FK and
+  # bone frames from the fitted offsets.
+  pos = posed_clip(rig, subject, T=5, seed=7)
+  a = solver.solve(pos, full=True)
+  b = solver.solve(pos, full=True, fit_offsets=True)
+  np.testing.assert_array_equal(a.local_rot, b.local_rot)
+  np.testing.assert_allclose(b.offsets, solver_lib.fitted_offsets(a.global_rot, pos,
+                                                                  a.offsets, rig), atol=1e-6)
+  assert b.fk_error_m()[:, 1:].mean() < a.fk_error_m()[:, 1:].mean()
+  _, fk = fk_np(b.local_rot.astype(np.float64), b.offsets, rig.parents, pos[:, 0])
+  np.testing.assert_allclose(fk, b.positions_fk, atol=1e-5)
+  np.testing.assert_allclose(b.bone_frames, solver_lib.bone_frames_lib.bone_frames_np(
+      b.offsets, rig), atol=1e-6)
+  for bad in (dict(), dict(full=True, estimate_lengths=True)):
+    with pytest.raises(InputError, match='fit_offsets'):
+      solver.solve(pos, fit_offsets=True, **bad)
+
+
 @pytest.mark.parametrize('units', ['cm', 'm'])
 def test_bvh_write_read_fk_matches_solver(solver, tmp_path, units):
   rig = solver.rig
