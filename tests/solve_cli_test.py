@@ -76,6 +76,13 @@ def test_npz_to_bvh_and_npz(ckpt, clip_npz, tmp_path):
   with np.load(tmp_path / 'again.npz') as z:
     np.testing.assert_allclose(z['positions'], fk, atol=1e-4)
     assert str(z['offsets_source']) == 'input'
+  # --fit_offsets: the same rotations on the skeleton they imply (solver_test checks the fit).
+  summary = solve.solve_file(path, tmp_path / 'fit.npz', checkpoint=ckpt, fit_offsets=True,
+                             log=_quiet)
+  with np.load(tmp_path / 'fit.npz') as z, np.load(tmp_path / 'out.npz') as t:
+    assert summary['offsets'] == 'fitted' and str(z['offsets_source']) == 'fitted'
+    np.testing.assert_array_equal(z['local_rot'], t['local_rot'])
+    assert not np.allclose(z['offsets'], t['offsets'])
   assert _leftovers(tmp_path) == []
 
 
