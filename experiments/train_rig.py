@@ -398,7 +398,10 @@ def _card_extra(o: Options, w: Path, summary: dict, results: dict, export: Path,
             'the rig\'s y-up world. `--subject_calibration` measures each clip\'s subject\'s '
             'constant biases at the joints whose children branch on the clip\'s own frames '
             'and removes them (the ikgat_calibrated row above): for subjects unlike the '
-            'training ones.', '',
+            'training ones; it needs the subject\'s offsets (a BVH input\'s own, or '
+            '`--offsets_from=BVH`). Positions alone (an npz or CSV) are solved on the rig\'s '
+            'template, so the rotations are relative to its rest pose; add `--fit_offsets` to '
+            'write the skeleton they imply, which plays the input back.', '',
             f'Made by `{provenance.command_line()}` (workdir {w.absolute()}).']
   return '\n'.join(lines)
 

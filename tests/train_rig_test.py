@@ -114,7 +114,7 @@ def test_every_stage_writes_sane_outputs(rig_run):
   card = (export / 'README.md').read_text()
   for text in ('## Test split', "## This rig's evaluation", '| 07_12.bvh | 07 | test | 66 |',
                '--units=0.056444', 'mocap.cs.cmu.edu', 'whole subjects held out',
-               '| ikgat_calibrated | 66 |', '`--subject_calibration`'):
+               '| ikgat_calibrated | 66 |', '`--subject_calibration`', '`--fit_offsets`'):
     assert text in card, text
   assert json.loads((export / 'test_metrics.json').read_text())['method'] == 'ikgat'
 
