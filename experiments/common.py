@@ -1,5 +1,5 @@
-"""Shared helpers of the command-line mains: one-line errors for bad input; threads pinned to
-cores for a benchmark."""
+"""Shared helpers of the command-line mains: one-line errors for bad input; noise levels and a
+per-noise results JSON; threads pinned to cores for a benchmark."""
 
 import functools
 import itertools
@@ -9,7 +9,9 @@ import threading
 
 from absl import flags, logging
 
+from ik_gat_jax import provenance
 from ik_gat_jax.errors import CheckpointError
+from ik_gat_jax.io import atomic
 from ik_gat_jax.skeleton import RigError
 
 
@@ -31,6 +33,36 @@ def fail_on_user_error(main):
       sys.exit(2)
 
   return wrapped
+
+
+def define_checkpoint_noise_flags() -> None:
+  """The flags of a main that runs one IK-GAT checkpoint on a shard split at several noise
+  levels (--data, --split, --checkpoint, --noise_mm, --output_json); called by its
+  `define_flags()` when it runs, never at import (tests import the mains side by side), which
+  then adopts them (`flags.adopt_module_key_flags(common)`) for its --help."""
+  flags.DEFINE_string('data', None, 'Shard directory.')
+  flags.DEFINE_string('split', 'val', 'Split to evaluate (choose on val).')
+  flags.DEFINE_string('checkpoint', None, 'IK-GAT checkpoint (default: shipped).')
+  flags.DEFINE_list('noise_mm', ['0', '10', '20'], 'Noise levels, mm per coordinate.')
+  flags.DEFINE_string('output_json', None, 'Also write the results here (atomically).')
+
+
+def noise_levels(values) -> list[float]:
+  """`--noise_mm`'s values (mm per coordinate) as floats; a one-line ValueError otherwise."""
+  try:
+    return [float(v) for v in values]
+  except ValueError:
+    raise ValueError(f'--noise_mm: {list(values)} are not numbers') from None
+
+
+def write_noise_results(path: str, ds, solver, results: dict, **fields) -> None:
+  """Writes `{noise: ...}` results of `solver` on the split `ds` as one JSON, atomically, with
+  `fields`, the command line and the data's provenance; says where."""
+  atomic.write_json(path, {
+      'split': ds.split, **fields, 'checkpoint': solver.source,
+      'results': {f'{k:g}': v for k, v in results.items()},
+      'command': provenance.command_line(), 'provenance': provenance.data_provenance(ds)})
+  print(f'wrote {path}')
 
 
 def pinning_initializer(threads: int):

@@ -19,23 +19,21 @@ from __future__ import annotations
 import numpy as np
 from absl import app, flags
 
-from experiments.common import fail_on_user_error
-from ik_gat_jax import data, evaluation, input_pipeline, metrics, provenance
+from experiments import common
+from experiments.common import (define_checkpoint_noise_flags, fail_on_user_error,
+                                noise_levels, write_noise_results)
+from ik_gat_jax import data, evaluation, input_pipeline, metrics
 from ik_gat_jax import subject_calibration as sc
-from ik_gat_jax.io import atomic
 from ik_gat_jax.solver import IKSolver
 
 def define_flags() -> None:
   """Defines the flags (read as `flags.FLAGS.<name>` by `main`) only when the main runs: the
   tests import `run` beside other mains that claim --data."""
-  flags.DEFINE_string('data', None, 'Shard directory.')
-  flags.DEFINE_string('split', 'val', 'Split to evaluate (choose on val).')
-  flags.DEFINE_string('checkpoint', None, 'IK-GAT checkpoint (default: shipped).')
-  flags.DEFINE_list('noise_mm', ['0', '10', '20'], 'Noise levels, mm per coordinate.')
+  define_checkpoint_noise_flags()
+  flags.adopt_module_key_flags(common)
   flags.DEFINE_list('windows', ['0:30', '30:300', '0:'],
                     'Frame windows START:STOP from each file\'s first frame.')
   flags.DEFINE_string('subject', None, 'Only this subject\'s files.')
-  flags.DEFINE_string('output_json', None, 'Also write the results here (atomically).')
 
 
 WAYS = ('none', 'stream', 'clip')
@@ -110,10 +108,7 @@ def table(results: dict, windows: list[str]) -> str:
 def main(argv):
   del argv
   F = flags.FLAGS
-  try:
-    noise = [float(v) for v in F.noise_mm]
-  except ValueError:
-    raise ValueError(f'--noise_mm: {F.noise_mm} are not numbers') from None
+  noise = noise_levels(F.noise_mm)
   windows = parse_windows(F.windows)
   ds = data.load_shards(F.data, F.split)
   solver = IKSolver.from_checkpoint(F.checkpoint, expected_rig=ds.rig)
@@ -123,12 +118,7 @@ def main(argv):
         f'{solver.source}: local rotation error (deg)')
   print(table(results, names))
   if F.output_json:
-    atomic.write_json(F.output_json, {
-        'split': ds.split, 'subject': F.subject, 'checkpoint': solver.source,
-        'results': {f'{k:g}': v for k, v in results.items()},
-        'command': provenance.command_line(),
-        'provenance': provenance.data_provenance(ds)})
-    print(f'wrote {F.output_json}')
+    write_noise_results(F.output_json, ds, solver, results, subject=F.subject)
 
 
 if __name__ == '__main__':
