@@ -122,10 +122,11 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   relative to): `offsets_from` (a BVH), else the input's own (a BVH's
   rest offsets, an npz's `offsets`), else the checkpoint's template; `fit_offsets` replaces
   them after solving by the ones the solved rotations imply (`solver.fitted_offsets`: the
-  written skeleton then reproduces the input; the rotations unchanged); `estimate_lengths` rescales
-  them to the input's bone lengths. `units`: metres per input unit (for a BVH: its file units,
-  default the joint map's, or cm for a BVH with the rig's joint names). `input_axes`: the
-  signed input column per rig axis (`solver.parse_input_axes`), applied after units. `fps`:
+  written skeleton then reproduces the input; the rotations unchanged); `estimate_lengths`
+  rescales them to the input's bone lengths. `units`: metres per input unit (for a BVH: its
+  file units, default the joint map's, or cm for a BVH with the rig's joint names).
+  `input_axes`: the signed input column per rig axis (`solver.parse_input_axes`), applied after
+  units. `fps`:
   the rate of an npz/csv input (default its `fps`, else 30); a BVH is resampled to it (default:
   its own rate, DESIGN section 7 resampling). `latency_frames` > 0 adds the single-frame
   latency (median, p99 ms over that many compiled `step` calls) to the summary. `filter_kind`

@@ -21,11 +21,11 @@ directions and takes each bone's length from the input (median over frames; dire
 come from the input, which shows a posed body). The bone frames B come from these offsets, so
 the output BVH, written with exactly these offsets, reproduces `positions_fk`. Without the
 subject's offsets the rotations are relative to the template's rest pose, whose bones point a
-few degrees from the subject's, so FK on the template misses the input (18 mm on clean CMU val);
+few degrees from the subject's, so FK on the template misses the input (20 mm on clean CMU val);
 `fit_offsets=True` (`full=True` only) then replaces the offsets after solving by the ones the
 solved rotations imply, `o_j = mean_t G_p,t^T (x_j,t - x_p,t)` (`fitted_offsets`): the rotations
 stay as they are, every bone vector is nearest the input's on average, and the output skeleton
-reproduces the input (1.3 mm; BENCHMARKS.md "Without the subject's offsets").
+reproduces the input (1.4 mm; BENCHMARKS.md "Without the subject's offsets").
 
 Compilation. One jitted forward (model merged, deterministic) over `[b, J, 3]` with b a bucket:
 1, 2, 4, ... up to `block_size` (a power-of-two ladder, ending at `block_size`). A batch is
@@ -901,6 +901,8 @@ class IKSolver:
     key = np.asarray(offsets, np.float64).tobytes()
     if key in self._calibration_offsets_seen:
       return offsets
+    if len(self._calibration_offsets_seen) > 64:  # bounded in a long-running process
+      self._calibration_offsets_seen.clear()
     self._calibration_offsets_seen.add(key)
     try:
       template = self.rig.template()
