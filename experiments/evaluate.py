@@ -7,11 +7,12 @@
       [--matmul_precision=float32|bfloat16] \
       [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B] \
       [--trackers=full|6|10|A,B,C] [--joint_dropout=P] [--orientations=A,B,C] [--end_sites] \
-      --output_json=FILE
+      [--output_json=FILE]
 
-Prints a markdown table (overall and per test part) and writes one JSON object (fields of DESIGN
-section 9 plus per_subject, per_file, per_part, settings, provenance, and the jitter of the output
-and the ground truth: jitter_deg_s2, gt_jitter_deg_s2, jitter_ratio, per_joint_jitter). Without
+Prints a markdown table (overall and per test part) and, with --output_json, writes one JSON
+object (fields of DESIGN section 9 plus per_subject, per_file, per_part, settings,
+provenance, and the jitter of the output and the ground truth: jitter_deg_s2,
+gt_jitter_deg_s2, jitter_ratio, per_joint_jitter). Without
 --checkpoint / --prior the shipped checkpoints under checkpoints/ are used. Sparse inputs
 (issue G2; ikgat checkpoints trained for them only, the other methods refuse): --trackers keeps
 only a tracker subset (ik_gat_jax/trackers.py), --joint_dropout drops each remaining joint with
@@ -86,7 +87,8 @@ _NOISE = flags.DEFINE_float('noise_mm', 0.0, 'Gaussian input noise per coordinat
 _MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate at most this many frames.')
 _BATCH = flags.DEFINE_integer('batch_size', None, 'Frames per solver call.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Noise seed.')
-_OUTPUT = flags.DEFINE_string('output_json', None, 'Result file (written atomically).')
+_OUTPUT = flags.DEFINE_string('output_json', None, 'Result file (written atomically); without '
+                               'it only the table is printed.')
 _TRACKERS = flags.DEFINE_string('trackers', 'full', 'Observed joints: full, a named subset '
                                 '(6, 10) or joint names A,B,C (ikgat with joint masks only).')
 _JOINT_DROPOUT = flags.DEFINE_float('joint_dropout', 0.0, 'Drop each observed joint with this '
@@ -138,8 +140,8 @@ def temporal_filter(method_info: dict):
 @fail_on_user_error
 def main(argv):
   del argv
-  out = Path(_OUTPUT.value)
-  if out.parent and not out.parent.exists():
+  out = Path(_OUTPUT.value) if _OUTPUT.value else None
+  if out is not None and out.parent and not out.parent.exists():
     raise FileNotFoundError(f'output directory {out.parent} does not exist')
   ds = data.load_shards(_DATA.value, _SPLIT.value)
   train_data = (data.load_shards(_DATA.value, 'train') if _METHOD.value == 'mean_pose' else None)
@@ -159,6 +161,10 @@ def main(argv):
                                offsets=_OFFSETS.value)
   result['command'] = provenance.command_line()
   print(evaluation.markdown_table(result))
+  if out is None:
+    print('(no --output_json: the JSON with per-subject, per-file and per-joint errors was not '
+          'written)')
+    return
   atomic.write_json(out, result)
   print(f'wrote {out}')
 
@@ -166,5 +172,5 @@ def main(argv):
 if __name__ == '__main__':
   # Marked here, not at import: importing a main (tests do) must not make its flags
   # required for every other absl program in the same process.
-  flags.mark_flags_as_required(['data', 'method', 'output_json'])
+  flags.mark_flags_as_required(['data', 'method'])
   app.run(main)

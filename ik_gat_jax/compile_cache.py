@@ -160,6 +160,19 @@ def _executable_file(key: str) -> Path | None:
   return None if _executables_dir is None else _executables_dir / f'{key}.jaxexe'
 
 
+def _register_lapack() -> None:
+  """Registers jaxlib's LAPACK kernels (SVD, LU, eigh...) with XLA's CPU client. JAX does so
+  when it first lowers one of them; an executable loaded from the cache by a process that has
+  lowered none (the subject calibration's live frame, an SVD) would otherwise call a kernel
+  that is not there and crash the process (a segmentation fault, jaxlib 0.10). `jax.export`
+  does the same before it deserialises a module."""
+  try:
+    from jax._src.lax import linalg  # pylint: disable=g-import-not-at-top
+    linalg.initialize_lapack()
+  except Exception:  # another JAX layout: its loading is then its own business
+    pass
+
+
 def load_executable(key: str) -> Any | None:
   """The executable stored under `key`, loaded onto the backend, or None (cache off, no entry,
   or one that cannot be read or loaded)."""
@@ -170,6 +183,7 @@ def load_executable(key: str) -> Any | None:
     fmt, payload, in_tree, out_tree = pickle.loads(path.read_bytes())
     if fmt != EXECUTABLE_FORMAT:
       return None
+    _register_lapack()
     return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
   except Exception:  # truncated, another layout, a backend that refuses it: a miss
     return None

@@ -32,6 +32,9 @@ so the joints' corrections do not depend on one another.
 - `calibrate_clip` measures over all of a clip's frames (not causal); `SubjectBias`
   accumulates a stream's frames so far (causal: frame t is corrected by the mean of frames
   0..t).
+- One code for both: the functions take `xp`, numpy (float64, clips and batches of a stream)
+  or jax.numpy (`frame_update`: a live frame, float32, compiled by the solver once per plan;
+  the stream's sums stay float64 on the host). The two agree to float32's rounding.
 - The shrinkage (`shrunk_mean`; no parameter): the mean M of n terms has the angle theta
   from the identity, and the terms scatter about it by `s^2 = (3n - tr(M^T sum_t E_t)) / (3(n
   - 1))` per axis (`3 - tr(M^T E_t)` is about the squared angle between them). The bias turned
@@ -47,43 +50,55 @@ so the joints' corrections do not depend on one another.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ik_gat_jax.skeleton import Rig
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
   """What a subject's calibration computes, found once from its offsets (`plan`): the
   calibrated joints (root first), each one's fitted children and all its children, and the
   joints whose world rotations they need, as `(joint, parent)` in tree order. Derived from
-  `fitted`: its (joint, fitted child) pairs, joint by joint, with where each joint's pairs
-  start (the fits' gathers and sums in a few numpy calls, whatever the number of joints)."""
+  `fitted`: its (joint, fitted child) pairs and `select [K, P]`, which pairs belong to which
+  joint (the fits' gathers and sums in a few array calls, whatever the number of joints)."""
   joints: tuple[int, ...]
   fitted: tuple[tuple[int, ...], ...]
   children: tuple[tuple[int, ...], ...]
   chain: tuple[tuple[int, int], ...]
   pair_joint: np.ndarray = dataclasses.field(init=False)
   pair_child: np.ndarray = dataclasses.field(init=False)
-  pair_starts: np.ndarray = dataclasses.field(init=False)
+  select: np.ndarray = dataclasses.field(init=False)
 
   def __post_init__(self):
+    pair_of = [k for k, kids in enumerate(self.fitted) for _ in kids]
     pairs = {'pair_joint': [j for j, kids in zip(self.joints, self.fitted) for _ in kids],
-             'pair_child': [c for kids in self.fitted for c in kids],
-             'pair_starts': np.cumsum([0] + [len(k) for k in self.fitted[:-1]])}
+             'pair_child': [c for kids in self.fitted for c in kids]}
     for name, value in pairs.items():
       object.__setattr__(self, name, np.asarray(value, np.intp))
+    select = np.zeros((len(self.joints), len(pair_of)))
+    select[pair_of, np.arange(len(pair_of))] = 1.0
+    object.__setattr__(self, 'select', select)
+
+  @property
+  def signature(self) -> tuple:
+    """What a compiled `frame_update` depends on (the plan's structure, not the offsets)."""
+    return self.joints, self.fitted, self.children, self.chain
 
 
-def nearest_rotation(M: np.ndarray) -> np.ndarray:
-  """The rotations `[..., 3, 3]` nearest `M` in the Frobenius norm (SVD, det +1): the numpy
-  twin of `iterative_ik.project_to_so3`, for the host, where a live frame calls it (JAX's
-  eager dispatch per call would cost more than the 3x3 SVD)."""
-  U, _, Vt = np.linalg.svd(M)
-  flip = np.linalg.det(U @ Vt) < 0  # a reflection: turn the least singular direction
-  U[..., :, 2] *= np.where(flip, -1.0, 1.0)[..., None]
-  return U @ Vt
+# The math below runs on numpy (float64: clips, `SubjectBias.calibrate`) and on jax.numpy
+# (float32: `frame_update`, a live frame's, compiled by the solver) alike: `xp` picks.
+
+
+def nearest_rotation(M, xp=np):
+  """The rotations `[..., 3, 3]` nearest `M` in the Frobenius norm (SVD, det +1; as
+  `iterative_ik.project_to_so3`), in numpy or jax.numpy (`xp`)."""
+  U, _, Vt = xp.linalg.svd(M)
+  d = xp.sign(xp.linalg.det(U @ Vt))  # -1 for a reflection: turn the least singular direction
+  return (U * xp.stack([xp.ones_like(d), xp.ones_like(d), d], axis=-1)[..., None, :]) @ Vt
 
 
 def plan(offsets: np.ndarray, rig: Rig) -> Plan:
@@ -103,45 +118,38 @@ def plan(offsets: np.ndarray, rig: Rig) -> Plan:
               chain=tuple((j, rig.parents[j]) for j in sorted(need)))  # parents first
 
 
-def fitted_rotations(positions: np.ndarray, offsets: np.ndarray, p: Plan) -> np.ndarray:
-  """`[T, K, 3, 3]` per calibrated joint the rotations G with `G o_c` nearest `p_c - p_j`
-  over its fitted children (Kabsch)."""
-  positions = np.asarray(positions, np.float64)
-  v = positions[:, p.pair_child] - positions[:, p.pair_joint]                # [T, P, 3]
-  o = np.asarray(offsets, np.float64)[p.pair_child]                          # [P, 3]
-  return nearest_rotation(np.add.reduceat(v[..., :, None] * o[:, None, :], p.pair_starts,
-                                          axis=1))
+def fitted_rotations(positions, offsets, p: Plan, xp=np):
+  """`[..., K, 3, 3]` per calibrated joint the rotations G with `G o_c` nearest `p_c - p_j`
+  over its fitted children (Kabsch); `positions [..., J, 3]`."""
+  v = positions[..., p.pair_child, :] - positions[..., p.pair_joint, :]     # [..., P, 3]
+  o = offsets[p.pair_child]                                                  # [P, 3]
+  return nearest_rotation(xp.einsum('kq,...qa,qb->...kab', p.select, v, o), xp)
 
 
-def world_rotations(local_rot: np.ndarray, p: Plan) -> np.ndarray:
-  """`[T, K, 3, 3]` the world rotations of the calibrated joints (the products of the local
+def world_rotations(local_rot, p: Plan, xp=np):
+  """`[..., K, 3, 3]` the world rotations of the calibrated joints (the products of the local
   rotations along their ancestors; only those are computed)."""
-  local_rot = np.asarray(local_rot, np.float64)
   G = {}
   for j, up in p.chain:
-    G[j] = local_rot[:, j] if up < 0 else G[up] @ local_rot[:, j]
-  return np.stack([G[j] for j in p.joints], axis=1)
+    G[j] = local_rot[..., j, :, :] if up < 0 else G[up] @ local_rot[..., j, :, :]
+  return xp.stack([G[j] for j in p.joints], axis=-3)
 
 
-def bias_terms(local_rot: np.ndarray, positions: np.ndarray, offsets: np.ndarray,
-               p: Plan) -> np.ndarray:
+def bias_terms(local_rot, positions, offsets, p: Plan, xp=np):
   """`[T, K, 3, 3]` per frame and calibrated joint `E_t = G_net,t^T G_fit,t`, zero where a
   frame has no fit (the joint, a fitted child or the network's rotation not finite)."""
-  T = len(local_rot)
   if not p.joints:
-    return np.zeros((T, 0, 3, 3))
-  positions = np.asarray(positions, np.float64)
-  G = world_rotations(local_rot, p)
-  finite = np.isfinite(positions).all(axis=-1)
-  ok = np.logical_and.reduceat(finite[:, p.pair_child] & finite[:, p.pair_joint],
-                               p.pair_starts, axis=1) & np.isfinite(G).all(axis=(2, 3))
-  if ok.all():
-    return np.swapaxes(G, -1, -2) @ fitted_rotations(positions, offsets, p)
-  E = np.zeros((T, len(p.joints), 3, 3))
-  if ok.any():
-    fit = fitted_rotations(np.where(np.isfinite(positions), positions, 0.0), offsets, p)
-    E[ok] = (np.swapaxes(G, -1, -2) @ fit)[ok]
-  return E
+    return xp.zeros(local_rot.shape[:-3] + (0, 3, 3))
+  if xp is np:
+    local_rot, positions = np.asarray(local_rot, np.float64), np.asarray(positions, np.float64)
+    offsets = np.asarray(offsets, np.float64)
+  G = world_rotations(local_rot, p, xp)
+  finite = xp.isfinite(positions).all(axis=-1)                               # [..., J]
+  unfit = ~(finite[..., p.pair_child] & finite[..., p.pair_joint])           # [..., P]
+  ok = ((xp.einsum('kq,...q->...k', p.select, unfit.astype(G.dtype)) == 0)
+        & xp.isfinite(G).all(axis=(-2, -1)))
+  fit = fitted_rotations(xp.where(finite[..., None], positions, 0.0), offsets, p, xp)
+  return xp.where(ok[..., None, None], xp.swapaxes(G, -1, -2) @ fit, 0.0)
 
 
 _LEVI_CIVITA = np.zeros((3, 3, 3))
@@ -149,32 +157,33 @@ for _i, _j, _k in ((0, 1, 2), (1, 2, 0), (2, 0, 1)):
   _LEVI_CIVITA[_i, _j, _k], _LEVI_CIVITA[_i, _k, _j] = 1.0, -1.0
 
 
-def shrunk_mean(S: np.ndarray, n: np.ndarray) -> np.ndarray:
+def shrunk_mean(S, n, xp=np):
   """`[..., 3, 3]` the biases of `n [...]` terms summing to `S [..., 3, 3]`: the chordal mean
   shrunk toward the identity by the positive-part James-Stein factor (module docstring); the
-  identity where n < 2. (Few numpy calls: a live frame runs it.)"""
-  S, n = np.asarray(S, np.float64), np.asarray(n, np.float64)
-  M = nearest_rotation(S)
-  theta = np.arccos(np.minimum(np.maximum((np.einsum('...ii->...', M) - 1.0) / 2.0, -1.0), 1.0))
+  identity where n < 2. (Few array calls: a live frame runs it.)"""
+  if xp is np:
+    S, n = np.asarray(S, np.float64), np.asarray(n, np.float64)
+  M = nearest_rotation(S, xp)
+  # M's angle theta from its skew part (2 sin(theta) u) and trace (1 + 2 cos(theta)): exact
+  # for small angles in float32 too.
+  w = 0.5 * (M[..., [2, 0, 1], [1, 2, 0]] - M[..., [1, 2, 0], [2, 0, 1]])
+  norm = xp.sqrt(xp.einsum('...a,...a->...', w, w))
+  theta = xp.arctan2(norm, (xp.einsum('...ii->...', M) - 1.0) / 2.0)
   # Per axis, the scatter of one term about the mean; the James-Stein factor from it (0 where
   # n < 2, 1 where the mean is the identity or there is no scatter).
-  scatter = (3.0 * n - np.einsum('...ab,...ab->...', M, S)) / (3.0 * np.maximum(n - 1.0, 1.0))
-  keep = 1.0 - np.maximum(scatter, 0.0) / np.maximum(n * theta * theta, 1e-300)
-  keep = np.where(n < 2, 0.0, np.minimum(np.maximum(keep, 0.0), 1.0))
-  # M^keep: the same axis u (from M's skew part, 2 sin(theta) u), the angle keep * theta
-  # (Rodrigues). Where M has no skew part (theta 0, or pi, which no real bias is): M itself,
-  # or the identity where n < 2.
-  w = 0.5 * (M[..., [2, 0, 1], [1, 2, 0]] - M[..., [1, 2, 0], [2, 0, 1]])
-  norm = np.sqrt(np.einsum('...a,...a->...', w, w))
+  scatter = (3.0 * n - xp.einsum('...ab,...ab->...', M, S)) / (3.0 * xp.maximum(n - 1.0, 1.0))
+  keep = 1.0 - xp.maximum(scatter, 0.0) / xp.maximum(n * theta * theta,
+                                                     np.finfo(S.dtype).tiny)
+  keep = xp.where(n < 2, 0.0, xp.clip(keep, 0.0, 1.0))
+  # M^keep: the same axis u, the angle keep * theta (Rodrigues). Where M has no skew part
+  # (theta 0, or pi, which no real bias is): M itself, or the identity where n < 2.
   ok = norm > 1e-12
-  u = w / np.where(ok, norm, 1.0)[..., None]
+  u = w / xp.where(ok, norm, 1.0)[..., None]
   a = (keep * theta)[..., None, None]
-  c = np.cos(a)
-  out = (c * np.eye(3) - np.sin(a) * np.einsum('abc,...c->...ab', _LEVI_CIVITA, u)
+  c = xp.cos(a)
+  out = (c * np.eye(3) - xp.sin(a) * xp.einsum('abc,...c->...ab', _LEVI_CIVITA, u)
          + (1.0 - c) * (u[..., :, None] * u[..., None, :]))
-  if not ok.all():
-    out = np.where(ok[..., None, None], out, np.where((n < 2)[..., None, None], np.eye(3), M))
-  return out
+  return xp.where(ok[..., None, None], out, xp.where((n < 2)[..., None, None], np.eye(3), M))
 
 
 def mean_bias(terms: np.ndarray) -> np.ndarray:
@@ -184,16 +193,22 @@ def mean_bias(terms: np.ndarray) -> np.ndarray:
   return shrunk_mean(terms.sum(axis=0), terms.any(axis=(-2, -1)).sum(axis=0))
 
 
-def apply_bias(local_rot: np.ndarray, E: np.ndarray, p: Plan) -> np.ndarray:
-  """Local rotations `[T, J, 3, 3]` with each calibrated joint turned by its bias (`E [K, 3,
+def apply_bias(local_rot, E, p: Plan, xp=np):
+  """Local rotations `[..., J, 3, 3]` with each calibrated joint turned by its bias (`E [K, 3,
   3]`, or `[T, K, 3, 3]` per frame) and every other joint's world rotation kept: `R_j E_j`,
   `E_j^T R_c` for its children c."""
-  out = np.array(local_rot, copy=True)
-  E = np.asarray(E, np.float64)
-  Et = np.swapaxes(E, -1, -2)
+  if xp is np:
+    out, E = np.array(local_rot, copy=True), np.asarray(E, np.float64)
+  else:
+    out = local_rot
+  Et = xp.swapaxes(E, -1, -2)
   for k, (j, kids) in enumerate(zip(p.joints, p.children)):
-    out[:, j] = out[:, j] @ E[..., k, :, :]
-    out[:, kids] = (Et[:, k, None] if Et.ndim == 4 else Et[k]) @ out[:, kids]
+    kids = list(kids)
+    new = (out[..., j, :, :] @ E[..., k, :, :], Et[..., k, None, :, :] @ out[..., kids, :, :])
+    if xp is np:
+      out[..., j, :, :], out[..., kids, :, :] = new
+    else:
+      out = out.at[..., j, :, :].set(new[0]).at[..., kids, :, :].set(new[1])
   return out
 
 
@@ -207,8 +222,21 @@ def calibrate_clip(local_rot: np.ndarray, positions: np.ndarray, offsets: np.nda
   return out, dict(zip(p.joints, E))
 
 
+def frame_update(local_rot: jax.Array, position: jax.Array, offsets: jax.Array,
+                 total: jax.Array, count: jax.Array, p: Plan) -> tuple[jax.Array, jax.Array]:
+  """One live frame in jax.numpy, for a stream whose earlier frames' terms sum to `total [K,
+  3, 3]` over `count [K]` fits: (`local_rot [J, 3, 3]` corrected by the mean biases up to and
+  including this frame, this frame's terms `[K, 3, 3]`, which the caller adds:
+  `SubjectBias.add`). `position [J, 3]`, `offsets [J, 3]`. The solver compiles it once per
+  plan (`Plan.signature`): a live frame's calibration in one call instead of numpy's many."""
+  E = bias_terms(local_rot[None], position[None], offsets, p, jnp)[0]
+  n = count + E.any(axis=(-2, -1)).astype(total.dtype)
+  return apply_bias(local_rot, shrunk_mean(total + E, n, jnp), p, jnp), E
+
+
 class SubjectBias:
-  """A stream's subject calibration: the biases of the frames seen so far (causal)."""
+  """A stream's subject calibration: the sums of the frames seen so far (causal), in
+  float64 on the host; `calibrate` (numpy) and `frame_update` (compiled) both add to them."""
 
   def __init__(self):
     self.total: np.ndarray | None = None  # [K, 3, 3] the sum of the terms so far
@@ -217,27 +245,41 @@ class SubjectBias:
     # of a live frame's calibration.
     self._subject: tuple[bytes, Plan] | None = None
 
-  def calibrate(self, local_rot: np.ndarray, positions: np.ndarray, offsets: np.ndarray,
-                rig: Rig) -> np.ndarray:
-    """The next frames `[n, J, 3, 3]`, each corrected by the mean biases up to and including
-    itself (`calibrate_clip`'s terms, summed as they come; a new stream takes a new
-    `SubjectBias`)."""
-    offsets = np.asarray(offsets)
-    key = offsets.tobytes()
+  def subject(self, offsets: np.ndarray, rig: Rig) -> Plan:
+    """The plan of the subject of `offsets` (found once per subject; the sums start afresh
+    where a new subject has other calibrated joints)."""
+    key = np.asarray(offsets).tobytes()
     if self._subject is None or self._subject[0] != key:
       p = plan(offsets, rig)
       if self._subject is not None and p.joints != self._subject[1].joints:
         self.total = self.count = None  # other joints: the sums so far do not apply
       self._subject = (key, p)
-    p = self._subject[1]
+    return self._subject[1]
+
+  def sums(self, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """(total `[K, 3, 3]`, count `[K]`) so far, zeros before the first frame."""
+    if self.total is None:
+      return np.zeros((K, 3, 3)), np.zeros(K)
+    return self.total, self.count
+
+  def add(self, terms: np.ndarray) -> None:
+    """Adds one frame's terms `[K, 3, 3]` (`frame_update`'s; zeros: no fit)."""
+    terms = np.asarray(terms, np.float64)
+    total, count = self.sums(len(terms))
+    self.total, self.count = total + terms, count + terms.any(axis=(-2, -1))
+
+  def calibrate(self, local_rot: np.ndarray, positions: np.ndarray, offsets: np.ndarray,
+                rig: Rig) -> np.ndarray:
+    """The next frames `[n, J, 3, 3]`, each corrected by the mean biases up to and including
+    itself (`calibrate_clip`'s terms, summed as they come; a new stream takes a new
+    `SubjectBias`)."""
+    p = self.subject(offsets, rig)
     local_rot = np.asarray(local_rot)
     if not p.joints or not len(local_rot):  # nothing to correct, nothing to learn from
       return local_rot
     terms = bias_terms(local_rot, positions, offsets, p)
-    running = np.cumsum(terms, axis=0)
-    counts = np.cumsum(terms.any(axis=(-2, -1)), axis=0)
-    if self.total is not None:
-      running += self.total
-      counts += self.count
+    total, count = self.sums(len(p.joints))
+    running = np.cumsum(terms, axis=0) + total
+    counts = np.cumsum(terms.any(axis=(-2, -1)), axis=0) + count
     self.total, self.count = running[-1], counts[-1]
     return apply_bias(local_rot, shrunk_mean(running, counts), p).astype(local_rot.dtype)

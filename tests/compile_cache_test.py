@@ -124,6 +124,34 @@ def test_enable_gives_hits_in_the_next_process(tmp_path):
   assert hits > 0 and misses == 0
 
 
+_CALIBRATED_STEPS = """
+import warnings
+import numpy as np
+from ik_gat_jax import compile_cache, skeleton, solver
+compile_cache.enable()
+warnings.simplefilter('ignore')  # the template's offsets: warned, not what is under test
+s = solver.IKSolver.from_checkpoint(subject_calibration=True)
+rest = skeleton.rest_positions_np(s.offsets, s.rig.parents)
+noise = 0.01 * np.random.default_rng(0).normal(size=(3,) + rest.shape)
+out = np.stack([s.step(rest + n) for n in noise])
+print(repr(out.tobytes().hex()[:64]), len(list(compile_cache.executables_dir().iterdir())))
+"""
+
+
+def test_an_executable_with_lapack_kernels_loads_in_a_fresh_process(tmp_path):
+  """The subject calibration's live frame (an SVD: a LAPACK kernel) from the executable cache
+  in a process that has lowered no LAPACK call: the same bits, no crash (it crashed with a
+  segmentation fault before `compile_cache` registered the kernels)."""
+  env = _env(tmp_path / 'home')
+  run = lambda: subprocess.run([sys.executable, '-c', _CALIBRATED_STEPS], cwd=REPO, env=env,
+                               capture_output=True, text=True, timeout=300)
+  first, second = run(), run()
+  assert first.returncode == 0 and second.returncode == 0, first.stderr[-2000:] + second.stderr[
+      -2000:]
+  assert first.stdout == second.stdout  # the same outputs, no new entry
+  assert int(first.stdout.split()[-1]) == 2  # the network's frame and the calibration's
+
+
 def test_xdg_cache_home_concurrent_runs_and_second_run_hits(tiny_npz, tmp_path):
   xdg = tmp_path / 'xdg'
   cache = xdg / 'ik_gat_jax' / 'jax'

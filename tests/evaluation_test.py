@@ -145,6 +145,15 @@ def test_cli_bad_split_is_one_line_nonzero(cmu_shards, tmp_path):
   assert not out.exists()
 
 
+def test_cli_without_output_json_prints_the_table(cmu_shards, tmp_path):
+  p = subprocess.run([sys.executable, '-m', 'experiments.evaluate', f'--data={cmu_shards}',
+                      '--split=val', '--method=swing', '--max_frames=16'],
+                     capture_output=True, text=True, timeout=300, cwd=tmp_path)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert '| swing' in p.stdout and 'the JSON with per-subject' in p.stdout
+  assert not list(tmp_path.iterdir())
+
+
 def test_ikgat_bfloat16_close_to_float32(cmu_shards, tiny_ikgat_run):
   ds = data.load_shards(cmu_shards, 'val')
   f32, bf16 = (_run(evaluation.make_method('ikgat', ds.rig, checkpoint=tiny_ikgat_run, dtype=d),
