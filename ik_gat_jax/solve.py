@@ -193,10 +193,14 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   solver.fps = rate
   mask, orient = _sparse_inputs(solver, trackers, orientations, len(source.positions))
   ends = _end_sites(solver, end_sites, source)
+  if source.metres_rig and solver_lib.all_finite(source.positions):
+    # Read at the BVH's units already: a units hint names the file's (--units=cm, not 0.18).
+    solver_lib.check_plausibility(source.positions @ M.T, rig, source.bvh_units_m or 1.0)
   sol = solver.solve(source.positions, offsets=offsets, estimate_lengths=estimate_lengths,
                      fit_offsets=fit_offsets,
                      units=None if source.metres_rig else units, input_axes=M, full=True,
-                     progress=progress, mask=mask, orientations=orient, end_sites=ends)
+                     check=not source.metres_rig, progress=progress, mask=mask,
+                     orientations=orient, end_sites=ends)
   bvh_out = _bvh_output(source, bvh_units, rig)
   with exports.staged([output, smpl_npz, plot, clip], overwrite) as (out, smpl, png, frames):
     _write_main(kind, out, sol, rig, rate, bvh_out, smpl_world, solver, offsets_source)

@@ -136,6 +136,10 @@ MAX_WORKERS = 4
 # Unreal is z-up, x-forward, y-right, left-handed (and in centimetres: --units=cm).
 AXIS_PRESETS = {'unity': '-x,y,z', 'unreal': '-y,z,x'}
 _UNIT_WARN_RATIO = 4.0  # median bone length this far from the template's: likely units problem
+# Median angle between a subject's rest bones and the rig template's above which its rest pose
+# is another one than the model's (CMU's 7 subjects: medians 0.5-1.3 deg, at most 13 deg for
+# any bone; a rig under random binds: 88 deg; BENCHMARKS.md "Another rest pose").
+_REST_POSE_WARN_DEG = 20.0
 # The units a plausibility warning may name (the hint's candidates, in this order).
 _UNIT_LABELS = {'m': 'metres', 'cm': 'centimetres', 'mm': 'millimetres', 'inch': 'inches',
                 'in': 'inches'}
@@ -420,6 +424,38 @@ def check_offsets(offsets, rig: Rig) -> np.ndarray:
                      f'{rig.joint_names[children[j]]} has zero length, so its rest direction '
                      '(and bone frame) is undefined')
   return off
+
+
+def rest_pose_angles(offsets: np.ndarray, rig: Rig) -> np.ndarray:
+  """Per bone whose offset is non-zero in both, the angle (degrees) between the subject's rest
+  offset and the rig template's, each in its parent's frame; empty without a template."""
+  try:
+    template = rig.template()
+  except RigError:
+    return np.zeros(0)
+  a, b = np.asarray(offsets, np.float64)[1:], template[1:]
+  na, nb = np.linalg.norm(a, axis=-1), np.linalg.norm(b, axis=-1)
+  ok = (na > 1e-9) & (nb > 1e-9)
+  cos = np.einsum('ja,ja->j', a[ok], b[ok]) / (na[ok] * nb[ok])
+  return np.degrees(np.arccos(np.clip(cos, -1.0, 1.0)))
+
+
+def check_rest_pose(offsets: np.ndarray, rig: Rig) -> str | None:
+  """A warning (`warnings.warn`, also returned) when the subject's rest pose, the pose of
+  its zero rotations, is another one than the rig template's (a bind of another lab's rig read
+  with this rig's joints): the rotations then reproduce the bones' directions, but their twist
+  about each bone is the model's rest pose's, and where children branch they miss the input
+  (BENCHMARKS.md "Another rest pose")."""
+  angles = rest_pose_angles(offsets, rig)
+  if not len(angles) or np.median(angles) <= _REST_POSE_WARN_DEG:
+    return None
+  msg = (f'the subject\'s rest pose is not the rig\'s ({rig.name}): its bones point a median '
+         f'{np.median(angles):.0f} deg from the template\'s, so the rotations\' twist about '
+         'each bone is relative to the rest pose the model learnt and, where bones branch (the '
+         'hips, the chest), they miss the input; --subject_calibration fits those to it, a '
+         'model trained on your rig (experiments.train_rig) gives its own rotations')
+  warnings.warn(msg, stacklevel=3)
+  return msg
 
 
 def estimate_offsets(positions: np.ndarray, base_offsets: np.ndarray, rig: Rig) -> np.ndarray:
@@ -916,10 +952,14 @@ class IKSolver:
                     '`offsets`) or leave the calibration off', stacklevel=3)
     return offsets
 
-  def _device_subject(self, offsets: np.ndarray) -> tuple[jax.Array, jax.Array, np.ndarray]:
-    """(offsets, B) on device, float32, and B float64 on the host; cached per subject."""
+  def _device_subject(self, offsets: np.ndarray,
+                      check: bool = True) -> tuple[jax.Array, jax.Array, np.ndarray]:
+    """(offsets, B) on device, float32, and B float64 on the host; cached per subject, whose
+    rest pose is checked (`check_rest_pose`) when it is new and `check`."""
     key = np.asarray(offsets, np.float64).tobytes()
     if key not in self._frames_cache:
+      if check:
+        check_rest_pose(offsets, self.rig)
       B = bone_frames_lib.bone_frames_np(offsets, self.rig)
       if len(self._frames_cache) > 16:
         self._frames_cache.clear()
@@ -1160,7 +1200,7 @@ class IKSolver:
       out = self._with_local(out, local, root, subject)
     if fit_offsets:  # the rotations kept; the skeleton and its FK from the fitted offsets
       off = fitted_offsets(out['global_rot'], pos, off, self.rig)
-      subject = self._device_subject(off)
+      subject = self._device_subject(off, check=False)  # the model's rest pose, fitted
       out = self._with_local(out, out['local_rot'], out['positions_fk'][:, 0], subject)
     if not full:
       return out['local_rot'][0] if single else out['local_rot']

@@ -298,6 +298,12 @@ def test_bvh_output_keeps_the_input_names_orders_and_units(ckpt, cmu_dir, tmp_pa
   names, per-joint orders and inches, whose FK is the solution's (bounds derived above)."""
   inch = UNITS['inch']
   src = _reordered_cmu(cmu_dir / '07_12.bvh', tmp_path / 'in.bvh', 41, inch)
+  # In centimetres, read without --units (as CMU's units, its joint names'): the hint names
+  # the file's unit, not a factor on the metres it was read as (it said --units=0.18).
+  _reordered_cmu(cmu_dir / '07_12.bvh', tmp_path / 'in_cm.bvh', 3, UNITS['cm'])
+  with pytest.warns(UserWarning, match='looks like centimetres: pass --units=cm'):
+    solve.solve_file(tmp_path / 'in_cm.bvh', tmp_path / 'no_units.npz', checkpoint=ckpt,
+                     log=_quiet)
   lines = []
   for out_file, bvh_units in (('out.bvh', None), ('sol.npz', None), ('cm.bvh', 'cm')):
     summary = solve.solve_file(tmp_path / 'in.bvh', tmp_path / out_file, checkpoint=ckpt,

@@ -241,6 +241,43 @@ def test_the_solver_calibrates_clips_and_streams(solver, cmu_dir):
   np.testing.assert_allclose(again, stream, atol=1e-5)
 
 
+def test_another_rest_pose_is_warned_and_the_calibration_reproduces_the_input(
+    solver, cmu_dir, tmp_path):
+  """A BVH of the rig's joints under other binds (`data_prep.rerig`: a random bind per joint,
+  compensated in the motion, bones along local X; the same positions): its rest pose is not
+  the rig's, which the solver says (never for a CMU subject's); the network's rotations then
+  miss the input where bones branch, and the calibration, exact for any bind there, brings
+  the FK error back to the original file's (BENCHMARKS.md "Another rest pose")."""
+  from data_prep import rerig
+  from ik_gat_jax.io import exports
+  rerig.rerig_directory(cmu_dir, tmp_path / 'rr', files=['07_05'], log=lambda m: None)
+  rr = exports.read_bvh_clip(tmp_path / 'rr' / '07_05.bvh', RIG, units='cm', fps=30.0,
+                             max_frames=240)
+  orig = exports.read_bvh_clip(cmu_dir / '07_05.bvh', RIG, fps=30.0, max_frames=240)
+  np.testing.assert_allclose(rr.positions - rr.positions[:, :1],
+                             orig.positions - orig.positions[:, :1], atol=1e-6)
+  plain = solver_lib.IKSolver.from_checkpoint()
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    base = plain.solve(orig.positions, offsets=orig.offsets, full=True)
+  with pytest.warns(UserWarning, match="rest pose is not the rig's"):
+    raw = plain.solve(rr.positions, offsets=rr.offsets, full=True)
+  with pytest.warns(UserWarning, match="rest pose is not the rig's"):
+    cal = solver.solve(rr.positions, offsets=rr.offsets, full=True)
+  mm = {k: 1e3 * s.fk_error_m().mean() for k, s in (('cmu', base), ('rerig', raw),
+                                                     ('rerig calibrated', cal))}
+  print('|input - FK| mean (mm)', {k: round(v, 2) for k, v in mm.items()})
+  assert mm['rerig'] > 10 * mm['cmu']
+  assert mm['rerig calibrated'] < 1.5 * mm['cmu']
+  # Every CMU subject's own rest pose is the rig's (bones within 13 deg of the template's).
+  firsts = {p.name[:2]: p for p in sorted(cmu_dir.glob('*.bvh'), reverse=True)}
+  assert len(firsts) == 7
+  for path in firsts.values():
+    offsets = exports.read_bvh_clip(path, RIG, max_frames=1).offsets
+    assert solver_lib.check_rest_pose(offsets, RIG) is None, path.name
+    assert solver_lib.rest_pose_angles(offsets, RIG).max() < 15.0, path.name
+
+
 def test_evaluation_calibrates_each_file(cmu_shards):
   from ik_gat_jax import data
   ds = data.load_shards(cmu_shards, 'val')
