@@ -37,7 +37,10 @@ _FRAMES = flags.DEFINE_integer('synthetic_frames', 240, 'Frames of generated mot
 
 def clip_dataset(bvh_path: Path, workdir: Path):
   """A one-clip shard directory (verified conversion) and its split 'all'."""
-  conversion.convert(bvh_path, 'cmu_body', workdir, split='all', log=lambda m: None)
+  # One clip, one subject, whatever its file is called (the joint map's regex wants CMU's
+  # '07_05' names).
+  conversion.convert(bvh_path, 'cmu_body', workdir, split='all', subject_regex=r'^.',
+                     log=lambda m: None)
   return data.load_shards(workdir, 'all')
 
 
