@@ -472,6 +472,28 @@ def make_rig(name: str, joint_names: Sequence[str], parents: Sequence[int],
              reference_pose=quats)
 
 
+def with_reference_pose(rig: Rig, reference: np.ndarray) -> Rig:
+  """`rig` for a source whose joints carry other frames (another bind of the same skeleton):
+  the same joints, designated children, reference axes and mirror map, the natural pose's
+  world frames `reference [J, 3, 3]` (the rig's natural pose in the source's channels) and the
+  template turned into those frames (`F_parent^T` of its world offsets in that pose). Bone
+  frames then follow the binds exactly (bone_frames.py: `B'_j = A_j^T B_j`), so a model
+  trained on `rig` gives the source's own rotations; the mirror and the refinement's chart
+  follow them too."""
+  F = np.asarray(reference, np.float64)
+  if F.shape != (rig.num_joints, 3, 3) or not np.isfinite(F).all():
+    raise RigError(f'a reference pose of rig {rig.name!r} is [{rig.num_joints}, 3, 3] finite '
+                   f'rotations, got shape {F.shape}')
+  changes = {'reference_pose': tuple(tuple(float(x) for x in q) for q in quat_from_matrix_np(F))}
+  if rig.template_offsets:
+    Fp = np.stack([np.eye(3) if p < 0 else F[p] for p in rig.parents])
+    template = np.einsum('jba,jb->ja', Fp, rig.reference_offsets())
+    changes['template_offsets'] = tuple(tuple(float(x) for x in row) for row in template)
+  out = dataclasses.replace(rig, **changes)
+  validate_rig(out)
+  return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Built-in rigs.
 

@@ -2,6 +2,7 @@ r"""Solve joint positions to joint rotations from the command line (DESIGN secti
 
   python -m ik_gat_jax.solve --input=FILE --output=FILE [--checkpoint=DIR] \
       [--offsets_from=BVH] [--units=m] [--input_axes=x,y,z] [--fps=30] \
+      [--joint_map=JSON] [--reference_pose=zero|first_frame] \
       [--estimate_lengths | --fit_offsets] \
       [--bvh_units=UNITS] \
       [--overwrite] [--plot=PNG --plot_frames=0,10,20] [--clip=GIF_OR_DIR] [--smpl_npz=FILE] \
@@ -9,7 +10,9 @@ r"""Solve joint positions to joint rotations from the command line (DESIGN secti
   ik-gat solve ...                                     (the same, as a console script)
 
 Input by extension: .npz (`positions [T, J, 3]`), .csv (one frame per row, J x 3 columns in
-rig order, header optional), .bvh (joint positions by FK, the file's own rest offsets). Output
+rig order, header optional), .bvh (joint positions by FK, the file's own rest offsets; where
+its joint map or --reference_pose names a natural pose other than the rig's, its joints' frames
+in it make the rotations the file's own: `skeleton.with_reference_pose`). Output
 by extension: .bvh (the rig with the subject's offsets, animated, in the rig's joint names; for
 a BVH input in its units and, per joint, the rotation channel order of the source joint it maps
 from (ZYX for a joint without one), else centimetres and ZYX; --bvh_units=cm|m|inch|NUMBER sets
@@ -28,6 +31,7 @@ and restored checkpoints in `~/.cache/ik_gat_jax/params` (compile_cache.py;
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
 import time
@@ -115,7 +119,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                latency_frames: int = 0, log: Callable[[str], None] = _stderr,
                trackers: str = 'full', orientations: str | None = None,
                end_sites: str | None = None, matmul_precision: str = 'float32',
-               hold_missing: bool = False, subject_calibration: bool = False) -> dict:
+               hold_missing: bool = False, subject_calibration: bool = False,
+               reference_pose: str | None = None) -> dict:
   """Reads `input`, solves, writes `output` (+ `smpl_npz`, `plot`, `clip`); returns a summary.
 
   `rig` (a name or rig JSON) refuses a checkpoint for another rig. Offsets (the subject R is
@@ -165,21 +170,28 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
       exports.check_output(extra, overwrite)
   if not Path(input).is_file():
     raise FileNotFoundError(f'input {input} does not exist')
-  solver = solver_lib.IKSolver.from_checkpoint(
-      checkpoint, expected_rig=rig, block_size=block_size or solver_lib.DEFAULT_BLOCK,
-      refine_iters=refine_iters, offsets_from=offsets_from, joint_map=joint_map,
+  load = functools.partial(
+      solver_lib.IKSolver.from_checkpoint, checkpoint, expected_rig=rig,
+      block_size=block_size or solver_lib.DEFAULT_BLOCK, refine_iters=refine_iters,
+      offsets_from=offsets_from, joint_map=joint_map,
       refine_prior=None if refine_prior in (None, '', 'none') else refine_prior,
       bvh_units=offsets_units, mirror=mirror, workers=workers, attention=attention,
       matmul_precision=matmul_precision, hold_missing=hold_missing,
       subject_calibration=subject_calibration)
-  solver.temporal_filter = temporal.with_overrides(solver.temporal_filter, filter_kind,
-                                                   filter_min_cutoff, filter_beta,
-                                                   filter_d_cutoff)
+  solver = load()
   rig = solver.rig
   if kind == 'smpl' or smpl_npz is not None:
     smpl_lib.check_smpl_rig(rig)  # refuse before solving
   source = exports.read_positions(input, rig, joint_map=joint_map, bvh_units=units,
-                                  bvh_fps=fps)
+                                  bvh_fps=fps, reference_pose=reference_pose)
+  if source.reference is not None:  # another bind of the rig: the input's own rotations
+    log(f'reference pose: the input\'s joints carry other frames than rig {rig.name}\'s (its '
+        'joint map\'s or --reference_pose\'s natural pose), so the rotations are in its own')
+    solver = load(reference_pose=source.reference)
+    rig = solver.rig
+  solver.temporal_filter = temporal.with_overrides(solver.temporal_filter, filter_kind,
+                                                   filter_min_cutoff, filter_beta,
+                                                   filter_d_cutoff)
   M = solver_lib.parse_input_axes(input_axes, rig)
   offsets = None if offsets_from is not None else _subject_offsets(source, M)
   # Which rest pose the rotations are relative to (the summary's and an npz's `offsets`).
@@ -338,6 +350,10 @@ def define_flags() -> None:
     'name, else the rig\'s own joint map).')
   s('units', None, 'Metres per input unit: m, cm, mm, inch or a number (default m; BVH: the '
     'joint map\'s, or cm).')
+  flags.DEFINE_enum('reference_pose', None, ['zero', 'first_frame'], 'A BVH input\'s natural '
+                    'pose, the rig\'s in its channels (default: its joint map\'s): first_frame '
+                    'where the clip starts in it (a T-pose facing forward); then the rotations '
+                    'are in the file\'s own bind even where its zero pose is another pose.')
   s('input_axes', None, 'Signed input column per rig axis, e.g. x,z,-y for z-up data; or unity '
     '/ unreal (then also --units=cm for Unreal).')
   flags.DEFINE_float('fps', None, 'Frame rate of an npz/csv input (default: its `fps`, else '
@@ -452,7 +468,8 @@ def main(argv) -> None:
                  filter_min_cutoff=F.filter_min_cutoff, filter_beta=F.filter_beta,
                  filter_d_cutoff=F.filter_d_cutoff, trackers=F.trackers,
                  orientations=F.orientations, end_sites=F.end_sites,
-                 hold_missing=F.hold_missing, subject_calibration=F.subject_calibration)
+                 hold_missing=F.hold_missing, subject_calibration=F.subject_calibration,
+                 reference_pose=F.reference_pose)
   except (ValueError, KeyError, OSError, CheckpointError) as e:
     text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip()
     _stderr(f'error: {text.splitlines()[0] if text else type(e).__name__}')

@@ -119,6 +119,7 @@ from ik_gat_jax import kinematics
 from ik_gat_jax import model as model_lib
 from ik_gat_jax import padding
 from ik_gat_jax import prior_task
+from ik_gat_jax import skeleton
 from ik_gat_jax import subject_calibration as subject_calibration_lib
 from ik_gat_jax import temporal
 from ik_gat_jax import vposer
@@ -428,12 +429,13 @@ def check_offsets(offsets, rig: Rig) -> np.ndarray:
 
 def rest_pose_angles(offsets: np.ndarray, rig: Rig) -> np.ndarray:
   """Per bone whose offset is non-zero in both, the angle (degrees) between the subject's rest
-  offset and the rig template's, each in its parent's frame; empty without a template."""
+  offset and the rig template's, as world vectors in the rig's natural pose (each in its
+  parent's frame where that is the zero pose); empty without a template."""
   try:
-    template = rig.template()
+    template = rig.reference_offsets()
   except RigError:
     return np.zeros(0)
-  a, b = np.asarray(offsets, np.float64)[1:], template[1:]
+  a, b = rig.reference_offsets(offsets)[1:], template[1:]
   na, nb = np.linalg.norm(a, axis=-1), np.linalg.norm(b, axis=-1)
   ok = (na > 1e-9) & (nb > 1e-9)
   cos = np.einsum('ja,ja->j', a[ok], b[ok]) / (na[ok] * nb[ok])
@@ -443,17 +445,19 @@ def rest_pose_angles(offsets: np.ndarray, rig: Rig) -> np.ndarray:
 def check_rest_pose(offsets: np.ndarray, rig: Rig) -> str | None:
   """A warning (`warnings.warn`, also returned) when the subject's rest pose, the pose of
   its zero rotations, is another one than the rig template's (a bind of another lab's rig read
-  with this rig's joints): the rotations then reproduce the bones' directions, but their twist
-  about each bone is the model's rest pose's, and where children branch they miss the input
-  (BENCHMARKS.md "Another rest pose")."""
+  with this rig's joints) and the rig names no natural pose for it (`skeleton.with_reference_pose`):
+  the rotations then reproduce the bones' directions, but their twist about each bone is the
+  model's rest pose's, and where children branch they miss the input (BENCHMARKS.md "Another
+  rest pose")."""
   angles = rest_pose_angles(offsets, rig)
   if not len(angles) or np.median(angles) <= _REST_POSE_WARN_DEG:
     return None
   msg = (f'the subject\'s rest pose is not the rig\'s ({rig.name}): its bones point a median '
          f'{np.median(angles):.0f} deg from the template\'s, so the rotations\' twist about '
          'each bone is relative to the rest pose the model learnt and, where bones branch (the '
-         'hips, the chest), they miss the input; --subject_calibration fits those to it, a '
-         'model trained on your rig (experiments.train_rig) gives its own rotations')
+         'hips, the chest), they miss the input: name its natural pose (a joint map\'s '
+         'reference_pose, --reference_pose=first_frame) for rotations in its own bind, or '
+         '--subject_calibration fits those joints to the input')
   warnings.warn(msg, stacklevel=3)
   return msg
 
@@ -708,8 +712,11 @@ class IKSolver:
                refine_iters: int = 0, temporal_filter: temporal.FilterConfig | None = None,
                fps: float = 30.0, refine_prior=None, mirror: bool = False,
                workers: int | None = None, hold_missing: bool = False,
-               subject_calibration: bool = False):
-    self.rig: Rig = model.rig
+               subject_calibration: bool = False, reference_pose: np.ndarray | None = None):
+    # The model's rig, or the same skeleton under another bind whose natural pose is
+    # `reference_pose` (`skeleton.with_reference_pose`: bone frames follow the binds).
+    self.rig: Rig = (model.rig if reference_pose is None
+                     else skeleton.with_reference_pose(model.rig, reference_pose))
     # The subject's rotation biases measured on its own frames (subject_calibration.py): a
     # clip's over all of them, a stream's (`step` / `solve_stream`) over those so far, in
     # `_subject_bias`.
@@ -840,7 +847,8 @@ class IKSolver:
                       mirror: bool = False, workers: int | None = None,
                       matmul_precision: str = 'float32',
                       hold_missing: bool = False,
-                      subject_calibration: bool = False) -> 'IKSolver':
+                      subject_calibration: bool = False,
+                      reference_pose: np.ndarray | None = None) -> 'IKSolver':
     """Loads a run directory or checkpoint (None: `inference.SHIPPED_IKGAT`).
 
     `offsets [J, 3]` (metres) or `offsets_from` (a BVH: its rest offsets reduced to the rig,
@@ -876,6 +884,12 @@ class IKSolver:
     the subject's constant biases there, measured on the input's own frames
     (subject_calibration.py: all of a clip's, a stream's so far), after any filter; lower
     error for a subject whose hips and shoulders sit unlike the training subjects'.
+    `reference_pose` `[J, 3, 3]`: the input's joints carry other frames than the rig's (another
+    bind of the same skeleton, whose zero pose is another pose): the world frames of its joints
+    in the rig's natural pose (`io.exports.PositionsFile.reference`, from a joint map's
+    `reference_pose`). The rotations are then the input's own, in its bind, exactly as the
+    model gives them for the rig's (`skeleton.with_reference_pose`; BENCHMARKS.md "Another
+    rest pose"); `offsets` in that bind.
     """
     if offsets is not None and offsets_from is not None:  # before the (slow) model load
       raise InputError('give offsets or offsets_from, not both')
@@ -907,7 +921,7 @@ class IKSolver:
     return cls(model, meta, offsets=offsets, block_size=block_size, source=str(path),
                refine_iters=refine_iters, temporal_filter=temporal_filter, fps=fps,
                refine_prior=prior, mirror=mirror, workers=workers, hold_missing=hold_missing,
-               subject_calibration=subject_calibration)
+               subject_calibration=subject_calibration, reference_pose=reference_pose)
 
   # -- offsets ------------------------------------------------------------------------------
 
@@ -1138,6 +1152,7 @@ class IKSolver:
                              f'{[(x.shape, x.dtype.name) for x in self._leaves]}\n'
                              f'refine={self.refine!r}\nprior={self._prior!r}\n'
                              f'mirror={self.mirror}\n'
+                             f'reference_pose={self.rig.reference_pose!r}\n'
                              f'matmul_precision={self.matmul_precision}\n'
                              f'micro_batch={inference.micro_batch_size()}'
                              f' of {inference.MICRO_BATCH_CPU}')

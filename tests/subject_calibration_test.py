@@ -51,6 +51,24 @@ def _biased(R, biases):
   return _local(G)
 
 
+def _mean_angle(A, B):
+  return float(np.degrees(Rotation.from_matrix(
+      (np.swapaxes(A, -1, -2) @ B).reshape(-1, 3, 3)).magnitude()).mean())
+
+
+def _true_local(path, joint_map=None):
+  """The local rotations of a BVH's first 120 frames (after CMU's T-pose frame) at 30 fps,
+  reduced to cmu_body: the conversion's, as `exports.read_bvh_clip(max_frames=120)` reads its
+  positions."""
+  from ik_gat_jax.io import bvh, exports, retarget
+  motion = bvh.read_bvh(path)
+  jmap = exports.bvh_joint_map(motion, RIG, joint_map)
+  motion.motion = motion.motion[1:121]
+  W = retarget.world_rotation(jmap.up, jmap.forward, RIG.up, RIG.forward)
+  out = retarget.convert_motion(motion, jmap, W, 30.0, RIG.joint_names, RIG.parents)[1]
+  return out.local_rot
+
+
 def _angle(A, B):
   return float(np.degrees(Rotation.from_matrix(np.swapaxes(A, -1, -2) @ B).magnitude()).max())
 
@@ -241,18 +259,25 @@ def test_the_solver_calibrates_clips_and_streams(solver, cmu_dir):
   np.testing.assert_allclose(again, stream, atol=1e-5)
 
 
+@pytest.fixture(scope='module')
+def rerigged(cmu_dir, tmp_path_factory):
+  """A folder with 07_05 under random binds (`data_prep.rerig`) and its joint map."""
+  from data_prep import rerig
+  out = tmp_path_factory.mktemp('rerig')
+  rerig.rerig_directory(cmu_dir, out, files=['07_05'], log=lambda m: None)
+  return out
+
+
 def test_another_rest_pose_is_warned_and_the_calibration_reproduces_the_input(
-    solver, cmu_dir, tmp_path):
+    solver, cmu_dir, rerigged):
   """A BVH of the rig's joints under other binds (`data_prep.rerig`: a random bind per joint,
   compensated in the motion, bones along local X; the same positions): its rest pose is not
   the rig's, which the solver says (never for a CMU subject's); the network's rotations then
   miss the input where bones branch, and the calibration, exact for any bind there, brings
   the FK error back to the original file's (BENCHMARKS.md "Another rest pose")."""
-  from data_prep import rerig
   from ik_gat_jax.io import exports
-  rerig.rerig_directory(cmu_dir, tmp_path / 'rr', files=['07_05'], log=lambda m: None)
-  rr = exports.read_bvh_clip(tmp_path / 'rr' / '07_05.bvh', RIG, units='cm', fps=30.0,
-                             max_frames=240)
+  rr = exports.read_bvh_clip(rerigged / '07_05.bvh', RIG, units='cm', fps=30.0, max_frames=240)
+  assert rr.reference is None  # read as cmu_body: its own zero pose taken for the rig's
   orig = exports.read_bvh_clip(cmu_dir / '07_05.bvh', RIG, fps=30.0, max_frames=240)
   np.testing.assert_allclose(rr.positions - rr.positions[:, :1],
                              orig.positions - orig.positions[:, :1], atol=1e-6)
@@ -276,6 +301,62 @@ def test_another_rest_pose_is_warned_and_the_calibration_reproduces_the_input(
     offsets = exports.read_bvh_clip(path, RIG, max_frames=1).offsets
     assert solver_lib.check_rest_pose(offsets, RIG) is None, path.name
     assert solver_lib.rest_pose_angles(offsets, RIG).max() < 15.0, path.name
+
+
+def test_the_input_s_reference_pose_gives_its_own_rotations_exactly(cmu_dir, rerigged,
+                                                                     tmp_path):
+  """The same re-rigged clip with its natural pose named (its joint map's `reference_pose`:
+  cmu_body's zero pose in its channels): the solver's rig takes it (`with_reference_pose`),
+  the bone frames follow the binds, and the shipped model gives the file's own rotations,
+  `A_parent^T R_j A_j` of the original's (A: the binds), to float32 round-off, with mirror
+  averaging too; its FK is the original's. The command line does it from the joint map, and
+  from `--reference_pose=first_frame` (CMU's T-pose frame: near the zero pose, not it)."""
+  from ik_gat_jax import solve
+  from ik_gat_jax.io import exports
+  jmap = str(rerigged / 'cmu_body_rerig.json')
+  rr = exports.read_bvh_clip(rerigged / '07_05.bvh', RIG, joint_map=jmap, fps=30.0,
+                             max_frames=120)
+  orig = exports.read_bvh_clip(cmu_dir / '07_05.bvh', RIG, fps=30.0, max_frames=120)
+  A = rr.reference
+  Ap = np.stack([np.eye(3) if p < 0 else A[p] for p in RIG.parents])
+  for kw in ({}, {'mirror': True}):
+    base = solver_lib.IKSolver.from_checkpoint(**kw).solve(orig.positions, offsets=orig.offsets,
+                                                           full=True)
+    mine = solver_lib.IKSolver.from_checkpoint(reference_pose=A, **kw)
+    with warnings.catch_warnings():
+      warnings.simplefilter('error')  # its rest pose is the rig's now: no warning
+      got = mine.solve(rr.positions, offsets=rr.offsets, full=True)
+    want = np.swapaxes(Ap, -1, -2) @ base.local_rot.astype(np.float64) @ A
+    assert _angle(want, got.local_rot) < 2e-3, kw
+    np.testing.assert_allclose(got.positions_fk - got.positions_fk[:, :1],
+                               base.positions_fk - base.positions_fk[:, :1], atol=1e-5)
+  # Against the file's own rotations (its conversion's, the same frames): the joint map's
+  # natural pose gives the original's error; CMU's T-pose frame, near it, a little more; none
+  # (the zero pose taken for the rig's) misses every bone's twist.
+  truth = _true_local(rerigged / '07_05.bvh', jmap)
+  err = {'original': _mean_angle(_true_local(cmu_dir / '07_05.bvh'), base.local_rot)}
+  for name, reference in (('joint map', A), ('first_frame', exports.read_bvh_clip(
+      rerigged / '07_05.bvh', RIG, units='cm', max_frames=1,
+      reference_pose='first_frame').reference), ('none', None)):
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore')  # 'none': the rest pose is not the rig's
+      got = solver_lib.IKSolver.from_checkpoint(reference_pose=reference, mirror=True).solve(
+          rr.positions, offsets=rr.offsets)
+    err[name] = _mean_angle(truth, got)
+  print('local error against each file\'s own rotations (deg, mirror averaging)',
+        {k: round(v, 2) for k, v in err.items()})
+  assert abs(err['joint map'] - err['original']) < 0.01
+  assert err['joint map'] < err['first_frame'] < 2 * err['original'] < err['none'] / 5
+  said = []
+  summary = solve.solve_file(rerigged / '07_05.bvh', tmp_path / 'a.npz', joint_map=jmap,
+                             log=said.append)
+  assert any(m.startswith('reference pose:') for m in said)
+  first = solve.solve_file(rerigged / '07_05.bvh', tmp_path / 'f.npz', units='cm',
+                           reference_pose='first_frame', log=lambda m: None)
+  assert first['fk_error_mm_mean'] < 1.5 * summary['fk_error_mm_mean'] < 5.0
+  with pytest.raises(solver_lib.InputError, match='read from a BVH'):
+    solve.solve_file(tmp_path / 'a.npz', tmp_path / 'b.npz', reference_pose='first_frame',
+                     log=lambda m: None)
 
 
 def test_evaluation_calibrates_each_file(cmu_shards):

@@ -158,8 +158,10 @@ class PositionsFile:
   offsets: `[J, 3]` metres or None; fps or None; metres_rig: already metres in rig axes (BVH);
   end_sites: `[T, E, 3]` the rig leaves' End Sites of a BVH that has them (metres, rig axes,
   NaN = none; issue G2), else None. A BVH also gives bvh_orders: per rig joint the rotation
-  channel order of its source joint (`source_rotation_orders`), and bvh_units_m: metres per
-  file unit it was read in; None otherwise."""
+  channel order of its source joint (`source_rotation_orders`), bvh_units_m: metres per
+  file unit it was read in, and reference: `[J, 3, 3]` the world frames (rig world) of its
+  joints in the rig's natural pose where its joint map names one (`reference_pose`: its zero
+  pose is another pose; `skeleton.with_reference_pose`), else None; None otherwise."""
   positions: np.ndarray
   offsets: np.ndarray | None = None
   fps: float | None = None
@@ -167,22 +169,27 @@ class PositionsFile:
   end_sites: np.ndarray | None = None
   bvh_orders: tuple[str, ...] | None = None
   bvh_units_m: float | None = None
+  reference: np.ndarray | None = None
 
 
 def read_positions(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = None,
-                   bvh_units: str | float | None = None,
-                   bvh_fps: float | None = None) -> PositionsFile:
-  """By extension: .npz, .csv, .bvh (module docstring); a BVH resampled to `bvh_fps`."""
+                   bvh_units: str | float | None = None, bvh_fps: float | None = None,
+                   reference_pose: str | None = None) -> PositionsFile:
+  """By extension: .npz, .csv, .bvh (module docstring); a BVH resampled to `bvh_fps`, its
+  joint map's reference pose overridden by `reference_pose` ('zero' or 'first_frame')."""
   path = Path(path)
   if not path.is_file():
     raise FileNotFoundError(f'input {path} does not exist')
   ext = path.suffix.lower()
+  if ext != '.bvh' and reference_pose not in (None, 'zero'):
+    raise InputError(f'reference_pose {reference_pose!r} is read from a BVH input, not {ext}')
   if ext == '.npz':
     return read_positions_npz(path, rig)
   if ext == '.csv':
     return PositionsFile(read_positions_csv(path, rig))
   if ext == '.bvh':
-    return read_bvh_clip(path, rig, joint_map=joint_map, units=bvh_units, fps=bvh_fps)
+    return read_bvh_clip(path, rig, joint_map=joint_map, units=bvh_units, fps=bvh_fps,
+                         reference_pose=reference_pose)
   raise InputError(f'input {path}: unknown format {ext!r}; use .npz, .csv or .bvh')
 
 
@@ -330,11 +337,18 @@ def _by_name_joint_map(motion: bvh.BVHMotion, rig: Rig, scale: float | None):
 
 def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = None,
                   units: str | float | None = None, fps: float | None = None,
-                  max_frames: int | None = None) -> PositionsFile:
+                  max_frames: int | None = None,
+                  reference_pose: str | None = None) -> PositionsFile:
   """A BVH's joint positions `[T, J, 3]` and rest offsets `[J, 3]`, reduced to `rig` (metres,
-  rig axes, verified FK); at `fps` (default: the file's own rate, no resampling)."""
+  rig axes, verified FK); at `fps` (default: the file's own rate, no resampling). Where the
+  joint map (or `reference_pose`, 'zero' or 'first_frame', over it) names a natural pose other
+  than the rig's, `reference` holds its joints' world frames in it (`PositionsFile`)."""
+  if reference_pose not in (None,) + retarget.REFERENCE_POSES:
+    raise InputError(f'reference_pose must be one of {", ".join(retarget.REFERENCE_POSES)}, '
+                     f'got {reference_pose!r}')
   motion = bvh.strip_namespace(bvh.read_bvh(path))  # 'mocap:Hips' -> 'Hips' (io/bvh.py)
-  jmap = bvh_joint_map(motion, rig, joint_map, units)
+  jmap = bvh_joint_map(motion, rig, joint_map, units).with_overrides(
+      reference_pose=reference_pose)
   first = 1 if jmap.drop_first_frame else 0  # the joint map's T-pose frame (cgspeed CMU)
   stop = None if max_frames is None else first + max_frames
   motion = dataclasses.replace(motion, motion=motion.motion[first:stop])
@@ -342,12 +356,19 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
     raise InputError(f'{path}: no frames to solve')
   W = retarget.world_rotation(jmap.up, jmap.forward, rig.up, rig.forward)
   rate = retarget.source_fps(motion.frame_time)
-  _, out, G, p, _ = retarget.convert_motion(motion, jmap, W, fps or rate, rig.joint_names,
-                                            rig.parents)
+  plan, out, G, p, _ = retarget.convert_motion(motion, jmap, W, fps or rate, rig.joint_names,
+                                               rig.parents)
+  try:
+    F = retarget.reference_rotations(path, jmap, plan, W)
+  except ConversionError as e:
+    raise InputError(str(e)) from None
+  if F is not None and retarget.rotation_angles_deg(
+      np.swapaxes(rig.reference_rotations(), -1, -2) @ F).max() <= retarget.REFERENCE_TOL_DEG:
+    F = None  # the rig's own natural pose
   return PositionsFile(p, out.offsets, fps or rate, metres_rig=True,
                        end_sites=retarget.end_sites_world(out, G, p, rig.parents),
                        bvh_orders=source_rotation_orders(motion, jmap, rig),
-                       bvh_units_m=jmap.units)
+                       bvh_units_m=jmap.units, reference=F)
 
 
 def source_rotation_orders(motion: bvh.BVHMotion, jmap, rig: Rig) -> tuple[str, ...]:
