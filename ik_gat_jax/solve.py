@@ -351,9 +351,10 @@ def define_flags() -> None:
   s('units', None, 'Metres per input unit: m, cm, mm, inch or a number (default m; BVH: the '
     'joint map\'s, or cm).')
   flags.DEFINE_enum('reference_pose', None, ['zero', 'first_frame'], 'A BVH input\'s natural '
-                    'pose, the rig\'s in its channels (default: its joint map\'s): first_frame '
-                    'where the clip starts in it (a T-pose facing forward); then the rotations '
-                    'are in the file\'s own bind even where its zero pose is another pose.')
+                    'pose, the rig\'s in its channels (default: its joint map\'s channel '
+                    'values, else the rig\'s): first_frame where the clip starts in it (a T-pose '
+                    'facing forward); then the rotations are in the file\'s own bind even '
+                    'where its zero pose is another pose.')
   s('input_axes', None, 'Signed input column per rig axis, e.g. x,z,-y for z-up data; or unity '
     '/ unreal (then also --units=cm for Unreal).')
   flags.DEFINE_float('fps', None, 'Frame rate of an npz/csv input (default: its `fps`, else '

@@ -2,7 +2,9 @@
 children branch, measured on its own frames, and their use by the solver (clips, streams), the
 command line and the evaluation."""
 
+import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -351,6 +353,18 @@ def test_the_input_s_reference_pose_gives_its_own_rotations_exactly(cmu_dir, rer
   summary = solve.solve_file(rerigged / '07_05.bvh', tmp_path / 'a.npz', joint_map=jmap,
                              log=said.append)
   assert any(m.startswith('reference pose:') for m in said)
+  # A joint map's 'first_frame' meant its conversion's first file (the rig's own reference
+  # pose), not this clip's: not taken; only --reference_pose=first_frame says it of the clip.
+  doc = json.loads(Path(jmap).read_text())
+  doc['reference_pose'] = 'first_frame'
+  (tmp_path / 'rig.json').write_text((rerigged / doc['rig']).read_text())
+  doc['rig'] = 'rig.json'
+  (tmp_path / 'first.json').write_text(json.dumps(doc))
+  said.clear()
+  with pytest.warns(UserWarning, match="rest pose is not the rig's"):
+    solve.solve_file(rerigged / '07_05.bvh', tmp_path / 'c.npz',
+                     joint_map=str(tmp_path / 'first.json'), log=said.append)
+  assert not any(m.startswith('reference pose:') for m in said)
   first = solve.solve_file(rerigged / '07_05.bvh', tmp_path / 'f.npz', units='cm',
                            reference_pose='first_frame', log=lambda m: None)
   assert first['fk_error_mm_mean'] < 1.5 * summary['fk_error_mm_mean'] < 5.0

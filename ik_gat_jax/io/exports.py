@@ -341,14 +341,18 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
                   reference_pose: str | None = None) -> PositionsFile:
   """A BVH's joint positions `[T, J, 3]` and rest offsets `[J, 3]`, reduced to `rig` (metres,
   rig axes, verified FK); at `fps` (default: the file's own rate, no resampling). Where the
-  joint map (or `reference_pose`, 'zero' or 'first_frame', over it) names a natural pose other
-  than the rig's, `reference` holds its joints' world frames in it (`PositionsFile`)."""
+  joint map's `reference_pose` gives channel values of a natural pose other than the rig's, or
+  `reference_pose` says 'first_frame' (this clip starts in it; 'zero': the zero pose is it),
+  `reference` holds the joints' world frames in it (`PositionsFile`)."""
   if reference_pose not in (None,) + retarget.REFERENCE_POSES:
     raise InputError(f'reference_pose must be one of {", ".join(retarget.REFERENCE_POSES)}, '
                      f'got {reference_pose!r}')
   motion = bvh.strip_namespace(bvh.read_bvh(path))  # 'mocap:Hips' -> 'Hips' (io/bvh.py)
-  jmap = bvh_joint_map(motion, rig, joint_map, units).with_overrides(
-      reference_pose=reference_pose)
+  jmap = bvh_joint_map(motion, rig, joint_map, units)
+  if reference_pose is not None or isinstance(jmap.reference_pose, str):
+    # A joint map's 'first_frame' meant the first file of its conversion (the rig's reference
+    # pose already), not this clip's first frame: only `reference_pose` says so of this clip.
+    jmap = dataclasses.replace(jmap, reference_pose=reference_pose)
   first = 1 if jmap.drop_first_frame else 0  # the joint map's T-pose frame (cgspeed CMU)
   stop = None if max_frames is None else first + max_frames
   motion = dataclasses.replace(motion, motion=motion.motion[first:stop])
@@ -362,6 +366,8 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
     F = retarget.reference_rotations(path, jmap, plan, W)
   except ConversionError as e:
     raise InputError(str(e)) from None
+  if F is None and reference_pose == 'zero':  # said of this clip: against a rig that has one
+    F = np.broadcast_to(np.eye(3), (rig.num_joints, 3, 3)).copy()
   if F is not None and retarget.rotation_angles_deg(
       np.swapaxes(rig.reference_rotations(), -1, -2) @ F).max() <= retarget.REFERENCE_TOL_DEG:
     F = None  # the rig's own natural pose
