@@ -185,6 +185,10 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   source = exports.read_positions(input, rig, joint_map=joint_map, bvh_units=units,
                                   bvh_fps=fps, reference_pose=reference_pose)
   if source.reference is not None:  # another bind of the rig: the input's own rotations
+    if kind == 'smpl' or smpl_npz is not None:
+      raise InputError('SMPL pose parameters are in SMPL\'s own joint frames, and this '
+                       'input\'s joints carry others (its reference pose): write .bvh, .npz, '
+                       '.glb or .fbx')
     log(f'reference pose: the input\'s joints carry other frames than rig {rig.name}\'s (its '
         'joint map\'s or --reference_pose\'s natural pose), so the rotations are in its own')
     solver = load(reference_pose=source.reference)

@@ -161,6 +161,13 @@ def test_smpl_rig_end_to_end(tmp_path_factory, tmp_path):
                    smpl_npz=None, log=_quiet)
   with np.load(tmp_path / 'out.smpl.npz') as z:
     assert z['poses'].shape == (3, 66) and z['trans'].shape == (3, 3)
+  # An input whose joints carry other frames (a reference pose named for it) has no SMPL
+  # parameters.
+  ckpt = str(tiny_checkpoint(tmp_path_factory, 'smpl22'))
+  solve.solve_file(tmp_path / 'in.npz', tmp_path / 'out.bvh', checkpoint=ckpt, log=_quiet)
+  with pytest.raises(InputError, match="SMPL's own joint frames"):
+    solve.solve_file(tmp_path / 'out.bvh', tmp_path / 'again.smpl.npz', checkpoint=ckpt,
+                     reference_pose='first_frame', log=_quiet)
 
 
 def test_plot_and_clips(ckpt, clip_npz, tmp_path):
