@@ -141,6 +141,9 @@ _UNIT_WARN_RATIO = 4.0  # median bone length this far from the template's: likel
 # is another one than the model's (CMU's 7 subjects: medians 0.5-1.3 deg, at most 13 deg for
 # any bone; a rig under random binds: 88 deg; BENCHMARKS.md "Another rest pose").
 _REST_POSE_WARN_DEG = 20.0
+# ... or one bone this far (CMU's T-pose first frames named as the natural pose: 21 deg at most;
+# a walking frame: 90).
+_REST_BONE_WARN_DEG = 60.0
 # The units a plausibility warning may name (the hint's candidates, in this order).
 _UNIT_LABELS = {'m': 'metres', 'cm': 'centimetres', 'mm': 'millimetres', 'inch': 'inches',
                 'in': 'inches'}
@@ -428,36 +431,47 @@ def check_offsets(offsets, rig: Rig) -> np.ndarray:
 
 
 def rest_pose_angles(offsets: np.ndarray, rig: Rig) -> np.ndarray:
-  """Per bone whose offset is non-zero in both, the angle (degrees) between the subject's rest
-  offset and the rig template's, as world vectors in the rig's natural pose (each in its
-  parent's frame where that is the zero pose); empty without a template."""
+  """`[J]` per joint, the angle (degrees) between the subject's rest offset of its bone and the
+  rig template's, as world vectors in the rig's natural pose (each in its parent's frame where
+  that is the zero pose); NaN for the root and where either offset is zero; empty without a
+  template."""
   try:
     template = rig.reference_offsets()
   except RigError:
     return np.zeros(0)
-  a, b = rig.reference_offsets(offsets)[1:], template[1:]
+  a, b = rig.reference_offsets(offsets), template
   na, nb = np.linalg.norm(a, axis=-1), np.linalg.norm(b, axis=-1)
-  ok = (na > 1e-9) & (nb > 1e-9)
-  cos = np.einsum('ja,ja->j', a[ok], b[ok]) / (na[ok] * nb[ok])
-  return np.degrees(np.arccos(np.clip(cos, -1.0, 1.0)))
+  ok = (na > 1e-9) & (nb > 1e-9) & (np.asarray(rig.parents) >= 0)
+  cos = np.einsum('ja,ja->j', a, b) / np.where(ok, na * nb, 1.0)
+  return np.where(ok, np.degrees(np.arccos(np.clip(cos, -1.0, 1.0))), np.nan)
 
 
 def check_rest_pose(offsets: np.ndarray, rig: Rig) -> str | None:
-  """A warning (`warnings.warn`, also returned) when the subject's rest pose, the pose of
-  its zero rotations, is another one than the rig template's (a bind of another lab's rig read
-  with this rig's joints) and the rig names no natural pose for it (`skeleton.with_reference_pose`):
-  the rotations then reproduce the bones' directions, but their twist about each bone is the
-  model's rest pose's, and where children branch they miss the input (BENCHMARKS.md "Another
-  rest pose")."""
+  """A warning (`warnings.warn`, also returned) when the subject's rest pose, the pose of its
+  zero rotations, is another one than the rig template's in the rig's natural pose: its bones
+  point a median over `_REST_POSE_WARN_DEG` from the template's (a bind of another lab's rig
+  read with this rig's joints, and no natural pose named for it: `skeleton.with_reference_pose`),
+  or one of them over `_REST_BONE_WARN_DEG` (a natural pose named for it that is not the rig's,
+  e.g. `--reference_pose=first_frame` of a clip that does not start in a T-pose facing
+  forward). The rotations then reproduce the bones' directions, but their twist about each bone
+  is relative to another pose than the model learnt, and where children branch they miss the
+  input (BENCHMARKS.md "Another rest pose")."""
   angles = rest_pose_angles(offsets, rig)
-  if not len(angles) or np.median(angles) <= _REST_POSE_WARN_DEG:
+  if not np.isfinite(angles).any():
     return None
-  msg = (f'the subject\'s rest pose is not the rig\'s ({rig.name}): its bones point a median '
-         f'{np.median(angles):.0f} deg from the template\'s, so the rotations\' twist about '
-         'each bone is relative to the rest pose the model learnt and, where bones branch (the '
-         'hips, the chest), they miss the input: name its natural pose (a joint map\'s '
-         'reference_pose, --reference_pose=first_frame) for rotations in its own bind, or '
-         '--subject_calibration fits those joints to the input')
+  median, worst = float(np.nanmedian(angles)), int(np.nanargmax(angles))
+  if median <= _REST_POSE_WARN_DEG and angles[worst] <= _REST_BONE_WARN_DEG:
+    return None
+  named = ('in the natural pose named for it (a joint map\'s reference_pose, --reference_pose) '
+           if rig.has_reference_pose else '')
+  msg = (f'the subject\'s rest pose is not the rig\'s ({rig.name}): {named}its bones point a '
+         f'median {median:.0f} deg and up to {angles[worst]:.0f} deg '
+         f'({rig.joint_names[rig.parents[worst]]} -> {rig.joint_names[worst]}) from the '
+         'template\'s, so the rotations\' twist about each bone is relative to another pose '
+         'than the model learnt and, where bones branch (the hips, the chest), they miss the '
+         'input: name its natural pose, a T-pose facing forward (a joint map\'s reference_pose, '
+         '--reference_pose=first_frame for a clip that starts in it), or --subject_calibration '
+         'fits those joints to the input')
   warnings.warn(msg, stacklevel=3)
   return msg
 
