@@ -600,8 +600,8 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
       log(f'WARNING: rig {target.name}: its {"reference" if reference is not None else "zero"} '
           f'pose is not mirror-symmetric (the {joint} bone {angle:.0f} degrees from its '
           'partner\'s mirror image), so it is not a natural pose: bone frames and swing-only IK '
-          'start from it and mirror augmentation will refuse it; if frame 0 is a T-pose, convert '
-          'again with --reference_pose=first_frame')
+          'start from it and mirror augmentation will refuse it (experiments.train_rig turns '
+          'it off); if frame 0 is a T-pose, convert again with --reference_pose=first_frame')
   else:
     target = target or shards.rig
     if jmap.reference_pose is not None:

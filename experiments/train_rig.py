@@ -63,7 +63,7 @@ from experiments.common import fail_on_user_error
 from experiments.configs import default as default_config
 from experiments.configs import prior as prior_config
 from ik_gat_jax import checkpointing, data, evaluation, inference, iterative_ik, prior_task
-from ik_gat_jax import provenance, train, vposer
+from ik_gat_jax import input_pipeline, provenance, skeleton, train, vposer
 from ik_gat_jax import solver as solver_lib
 from ik_gat_jax.io import atomic, retarget
 
@@ -455,6 +455,26 @@ def configs(o: Options, shards: Path):
   return c, p
 
 
+def _mirror_off_where_asymmetric(c, p, shards: Path, log: Log, tag: str) -> None:
+  """Mirror augmentation off (IK-GAT's and the prior's) for a rig that is not
+  mirror-symmetric in its natural pose (`input_pipeline.check_mirror`: its zero pose where it
+  names no reference pose, another lab's bind of a crumpled zero pose), which would otherwise
+  stop the training at its first step; said in one line, with the better way out."""
+  rig = skeleton.Rig.from_json(json.loads((shards / 'rig.json').read_text()))
+  try:
+    input_pipeline.check_mirror(rig)
+  except ValueError:
+    angle, joint = rig.mirror_asymmetry()
+    turned = [name for name, cfg in (('IK-GAT', c), ('prior', p)) if cfg.augment.mirror > 0]
+    for cfg in (c, p):
+      cfg.augment.mirror = 0.0
+    if turned:
+      log(f'{tag} mirror augmentation off ({" and ".join(turned)}): rig {rig.name} is not '
+          f'mirror-symmetric in its {"reference" if rig.has_reference_pose else "zero"} pose '
+          f'(the {joint} bone {angle:.0f} degrees from its partner\'s mirror image); if the '
+          'files start in a T-pose, --reference_pose=first_frame gives it its natural pose')
+
+
 def run(o: Options, log: Log = _print) -> dict:
   """Runs (or continues) every stage for `o`; returns the manifest (WORKDIR/train_rig.json)."""
   w = Path(o.workdir)
@@ -483,6 +503,7 @@ def _run_stages(o: Options, w: Path, m: Manifest, log: Log) -> dict:
   t0 = time.perf_counter()
   summary = _convert(o, w, m, log, tag(1))
   c, p = configs(o, w / 'shards')
+  _mirror_off_where_asymmetric(c, p, w / 'shards', log, tag(2))
   m.doc['configs'] = {'ikgat': c.to_dict(), 'prior': p.to_dict()}
   _train('ikgat', c, w / 'ikgat', m, log, tag(2))
 

@@ -222,3 +222,33 @@ def test_a_failed_stage_is_recorded(tmp_path, cmu_dir):
   stage = json.loads((tmp_path / 'w' / 'train_rig.json').read_text())['stages']['convert']
   assert stage['status'] == 'failed' and '--units' in stage['error']
   assert not (tmp_path / 'w' / 'shards').exists()
+
+
+def test_mirror_augmentation_off_for_a_rig_that_is_not_mirror_symmetric(tmp_path):
+  """A rig whose natural pose is not mirror-symmetric (its zero pose where it names none:
+  another lab's crumpled bind) would stop the training at its first step; train_rig turns
+  mirror augmentation off for IK-GAT and the prior, in one line naming the better way out,
+  and leaves a symmetric rig's as it is."""
+  from experiments.configs import default as default_config
+  from experiments.configs import prior as prior_config
+  from ik_gat_jax import input_pipeline, skeleton
+  cmu = skeleton.cmu_body()
+  off = cmu.template().copy()
+  left = cmu.joint_names.index('LeftUpLeg')
+  off[left] = -off[left]  # the left hip on the right: no mirror image of its partner
+  crumpled = skeleton.make_rig('crumpled', cmu.joint_names, cmu.parents, off, cmu.up,
+                               cmu.forward)
+  for rig, off_expected in ((cmu, False), (crumpled, True)):
+    shards = tmp_path / rig.name
+    shards.mkdir()
+    (shards / 'rig.json').write_text(json.dumps(rig.to_json()))
+    c, p = default_config.get_config(), prior_config.get_config()
+    said = []
+    train_rig._mirror_off_where_asymmetric(c, p, shards, said.append, '[2/5]')
+    assert (c.augment.mirror == 0 and p.augment.mirror == 0) == off_expected, rig.name
+    assert len(said) == int(off_expected)
+    if off_expected:
+      assert 'mirror augmentation off (IK-GAT and prior)' in said[0]
+      assert '--reference_pose=first_frame' in said[0]
+      with pytest.raises(ValueError, match='not mirror-symmetric'):
+        input_pipeline.check_mirror(rig)  # what the training would have raised
