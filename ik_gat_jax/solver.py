@@ -903,7 +903,9 @@ class IKSolver:
     in the rig's natural pose (`io.exports.PositionsFile.reference`, from a joint map's
     `reference_pose`). The rotations are then the input's own, in its bind, exactly as the
     model gives them for the rig's (`skeleton.with_reference_pose`; BENCHMARKS.md "Another
-    rest pose"); `offsets` in that bind.
+    rest pose"); `offsets` in that bind. Mirror averaging and the refinement without a prior
+    stay exact; the refinement with the shipped prior does not (it models the joint chart; a
+    prior trained with `VAEConfig.bone_chart` does).
     """
     if offsets is not None and offsets_from is not None:  # before the (slow) model load
       raise InputError('give offsets or offsets_from, not both')
