@@ -903,9 +903,10 @@ class IKSolver:
     in the rig's natural pose (`io.exports.PositionsFile.reference`, from a joint map's
     `reference_pose`). The rotations are then the input's own, in its bind, exactly as the
     model gives them for the rig's (`skeleton.with_reference_pose`; BENCHMARKS.md "Another
-    rest pose"); `offsets` in that bind. Mirror averaging and the refinement without a prior
-    stay exact; the refinement with the shipped prior does not (it models the joint chart; a
-    prior trained with `VAEConfig.bone_chart` does).
+    rest pose"); `offsets` in that bind. Mirror averaging and the refinement stay exact: the
+    shipped prior models the joint chart of its own rig's binds, so under another bind
+    'shipped' refines without it, as for any rig it does not fit (a prior trained with
+    `VAEConfig.bone_chart` serves any bind).
     """
     if offsets is not None and offsets_from is not None:  # before the (slow) model load
       raise InputError('give offsets or offsets_from, not both')
@@ -933,7 +934,10 @@ class IKSolver:
     if offsets_from is not None:
       offsets = exports.read_bvh_offsets(offsets_from, model.rig, joint_map=joint_map,
                                          units=bvh_units)
-    prior = _refine_prior(refine_prior, model.rig) if refine_iters > 0 else None
+    # A joint-chart prior (the shipped one) serves only its own rig's binds: not another's.
+    rig = (model.rig if reference_pose is None
+           else skeleton.with_reference_pose(model.rig, reference_pose))
+    prior = _refine_prior(refine_prior, rig) if refine_iters > 0 else None
     return cls(model, meta, offsets=offsets, block_size=block_size, source=str(path),
                refine_iters=refine_iters, temporal_filter=temporal_filter, fps=fps,
                refine_prior=prior, mirror=mirror, workers=workers, hold_missing=hold_missing,
