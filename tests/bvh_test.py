@@ -117,7 +117,7 @@ CORRUPT_CASES = {
     }, None, True, 8, "not a number: 'a'"),
     "joint_without_name": ({
         6: "\tJOINT"
-    }, None, True, 6, "exactly one name"),
+    }, None, True, 6, "JOINT needs a name"),
     "duplicate_joint": ({
         6: "\tJOINT Hips"
     }, None, True, 6, "duplicate joint name 'Hips'"),
@@ -248,6 +248,32 @@ def test_keywords_in_any_case_and_spacing_read_alike():
   np.testing.assert_array_equal(a.offsets, b.offsets)
   assert [j.channels for j in a.joints] == [j.channels for j in b.joints]
   np.testing.assert_array_equal(a.joints[2].end_site, b.joints[2].end_site)
+
+
+def test_other_tools_line_ends_labels_and_spaced_names_read_alike():
+  # CR-only line ends (classic Mac OS; Blender reads them), 'Frames:2' without a space, and a
+  # 3ds Max Biped name with spaces ('Bip01 Spine'), which a written file keeps.
+  a = bvh.parse_bvh(_text())
+  for text in (_text().replace("\n", "\r"), _text().replace("\n", "\r\n"),
+               _text({17: "Frames:2", 18: "Frame Time:0.05"})):
+    b = bvh.parse_bvh(text)
+    assert b.names == a.names and b.frame_time == a.frame_time
+    np.testing.assert_array_equal(b.motion, a.motion)
+  spaced = bvh.parse_bvh(_text({6: "\tJOINT  Bip01   Spine {", 7: ""}))
+  assert list(spaced.names) == ["Hips", "Bip01 Spine"] and list(spaced.parents) == [-1, 0]
+  assert bvh.parse_bvh(bvh.format_bvh(spaced)).names == spaced.names
+  spaced.joints[1].name = "Bip01  Spine"
+  with pytest.raises(ValueError, match="cannot be written"):
+    bvh.format_bvh(spaced)
+
+
+def test_errors_stay_one_short_line():
+  # A file whose first line is not HIERARCHY (here: one line of 400 KB) is quoted shortly.
+  with pytest.raises(bvh.BVHError, match=r"expected 'HIERARCHY'") as e:
+    bvh.parse_bvh("HIERARCHY ROOT" + " 0" * 200_000)
+  assert len(str(e.value)) < 200 and "\n" not in str(e.value)
+  with pytest.raises(bvh.BVHError, match="frames/s"):  # 1 / Frame Time is no rate
+    bvh.parse_bvh(_text({18: "Frame Time: 1e-320"}))
 
 
 def test_synthetic_round_trip_is_exact():

@@ -10,7 +10,9 @@ Conventions (DESIGN.md section 2):
   else its OFFSET. Root: ``p_root = t_root``, ``G_root = R_root``.
 
 Parsing choices (strict on purpose: every problem is ONE ``BVHError`` "<file>:<line>: <reason>"):
-- exactly one ROOT; joint names are one token and unique; "End Site" is not a joint (its offset is
+- lines end in LF, CRLF or CR alone (classic Mac OS, as Blender's importer reads them);
+- exactly one ROOT; joint names are unique, the rest of their line up to a brace (3ds Max
+  Biped's ``Bip01 L Thigh``: words joined by one space); "End Site" is not a joint (its offset is
   stored on its parent as ``end_site``, at most one per joint);
 - channel names are case-insensitive and stored capitalised (``Xposition``, ``Zrotation``...);
   a joint may list 0..6 distinct channels in any order; a missing CHANNELS line means none;
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +48,14 @@ POSITION_CHANNELS = ("Xposition", "Yposition", "Zposition")
 ROTATION_CHANNELS = ("Xrotation", "Yrotation", "Zrotation")
 _CANONICAL = {c.lower(): c for c in POSITION_CHANNELS + ROTATION_CHANNELS}
 _BRACES = ("{", "}")
+_LINE_END = re.compile(r"\r\n|\r|\n")
+# The shortest Frame Time read (100 kHz): below it 1 / Frame Time is no motion-capture rate.
+_MIN_FRAME_TIME = 1e-5
+
+
+def _quote(text: str, limit: int = 60) -> str:
+  """``repr`` of ``text`` cut to ``limit`` characters, for a one-line error."""
+  return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def _is_count(token: str) -> bool:
@@ -200,7 +211,7 @@ def read_bvh(path_or_text: str | os.PathLike, *, name: str | None = None) -> BVH
 def parse_bvh(text: str, path: str | None = None) -> BVHMotion:
   """Parses BVH text. ``path`` only names the source (errors, ``BVHMotion.path``)."""
   src = path if path is not None else "<string>"
-  lines = text.lstrip("\ufeff").split("\n")
+  lines = _LINE_END.split(text.lstrip("\ufeff"))
   joints, motion_idx = _HierarchyParser(src, lines).parse()
   frames, frame_time, body_idx = _parse_motion_header(src, lines, motion_idx)
   num_channels = sum(len(j.channels) for j in joints)
@@ -248,7 +259,7 @@ class _HierarchyParser:
       line = idx + 1
       if not header_seen:
         if [t.upper() for t in tokens] != ["HIERARCHY"]:
-          raise self.error(line, f"expected 'HIERARCHY', got {raw.strip()!r}")
+          raise self.error(line, f"expected 'HIERARCHY', got {_quote(raw.strip())}")
         header_seen = True
         continue
       if tokens[0].upper() == "MOTION":
@@ -323,15 +334,16 @@ class _HierarchyParser:
       raise self.error(line, "JOINT outside the ROOT block")
     if self.stack and self.stack[-1][0] == "end":
       raise self.error(line, f"{key} inside an End Site")
-    if not rest or rest[0] in _BRACES or (len(rest) > 1 and rest[1] not in _BRACES):
-      raise self.error(line, f"{key} needs exactly one name (no spaces), got {rest}")
-    name = rest[0]
+    n = next((i for i, t in enumerate(rest) if t in _BRACES), len(rest))
+    if n == 0:
+      raise self.error(line, f"{key} needs a name")
+    name = " ".join(rest[:n])  # 'Bip01 L Thigh' (3ds Max Biped)
     if name in (j.name for j in self.joints):
       raise self.error(line, f"duplicate joint name {name!r}")
     parent = self.stack[-1][1] if self.stack else -1
     self.joints.append(BVHJoint(name, parent, np.zeros(3), ()))
     self.pending = ("joint", len(self.joints) - 1, line)
-    return rest[1:]
+    return rest[n:]
 
   def _end_site(self, line: int, rest: list[str]) -> list[str]:
     if not self.stack or self.stack[-1][0] != "joint":
@@ -395,11 +407,12 @@ def _header_value(src: str, lines: list[str], idx: int, label: str) -> tuple[str
   if idx >= len(lines):
     raise BVHError(src, _last_line(lines), f"missing '{label}' line in MOTION section")
   text = lines[idx].strip()
-  words, want = text.split(), label.split()
-  # The label in any case and spacing ('FRAMES:', 'Frame  Time:'), as Blender reads it.
-  if [w.lower() for w in words[:len(want)]] != [w.lower() for w in want]:
-    raise BVHError(src, idx + 1, f"expected '{label} ...', got {text!r}")
-  value = words[len(want):]
+  head, colon, tail = text.partition(":")
+  # The label in any case and spacing ('FRAMES:', 'Frame  Time:', 'Frames:301'), as Blender
+  # reads it.
+  if not colon or head.lower().split() != label.lower().rstrip(":").split():
+    raise BVHError(src, idx + 1, f"expected '{label} ...', got {_quote(text)}")
+  value = tail.split()
   if len(value) != 1:
     raise BVHError(src, idx + 1, f"expected one value after '{label}', got {value}")
   return value[0], idx
@@ -415,6 +428,9 @@ def _parse_motion_header(src: str, lines: list[str], motion_idx: int) -> tuple[i
   frame_time = _parse_float(src, idx + 1, token, "Frame Time")
   if frame_time <= 0:
     raise BVHError(src, idx + 1, f"Frame Time must be positive, got {token!r}")
+  if frame_time < _MIN_FRAME_TIME:
+    raise BVHError(src, idx + 1, f"Frame Time {token} s is {1 / frame_time:.3g} frames/s: "
+                   f"at least {_MIN_FRAME_TIME:g} s expected")
   return frames, frame_time, idx + 1
 
 
@@ -519,6 +535,10 @@ def _check_writable_order(motion: BVHMotion) -> None:
     raise ValueError("BVH needs exactly one root, as joint 0")
   if skeleton.depth_first_order(parents) != list(range(len(parents))):
     raise ValueError("joints are not in depth-first order; reorder before writing")
+  for name in motion.names:  # read back as written: words joined by one space, no braces
+    if name != " ".join(name.split()) or not name or "{" in name or "}" in name:
+      raise ValueError(f"joint name {name!r} cannot be written to BVH (empty, braces, or "
+                       "whitespace other than single spaces between words)")
 
 
 # ----------------------------------------------------------------------------- numpy reference
