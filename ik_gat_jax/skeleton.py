@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -107,14 +108,26 @@ def choose_designated_children(parents: Sequence[int], offsets: np.ndarray) -> t
   return tuple(out)
 
 
+# A side letter standing alone between separators: 'thigh_l', 'thigh.L' (Blender), 'l_hip',
+# 'Bip01 L Thigh' (3ds Max Biped), 'upperarm-r'.
+_SIDE_LETTER = re.compile(r'(?:(?<=^)|(?<=[_.\- :]))([LRlr])(?=$|[_.\- :])')
+_OTHER_SIDE = {'L': 'R', 'R': 'L', 'l': 'r', 'r': 'l'}
+
+
 def mirror_map_from_names(names: Sequence[str]) -> tuple[int, ...]:
-  """Pairs joints whose names differ by Left/Right, left/right, or an L/R prefix (LHipJoint)."""
+  """Pairs joints whose names differ by Left/Right (any case), a side letter between
+  separators (`thigh_l`, `thigh.L`, `l_hip`, `Bip01 L Thigh`), or an L/R prefix (LHipJoint)."""
   index = {n: i for i, n in enumerate(names)}
 
   def partner(n: str) -> int:
-    for a, b in (('Left', 'Right'), ('Right', 'Left'), ('left', 'right'), ('right', 'left')):
+    for a, b in (('Left', 'Right'), ('Right', 'Left'), ('left', 'right'), ('right', 'left'),
+                 ('LEFT', 'RIGHT'), ('RIGHT', 'LEFT')):
       if a in n and n.replace(a, b, 1) in index:
         return index[n.replace(a, b, 1)]
+    for m in _SIDE_LETTER.finditer(n):
+      other = n[:m.start()] + _OTHER_SIDE[m.group(1)] + n[m.end():]
+      if other in index:
+        return index[other]
     for a, b in (('L', 'R'), ('R', 'L')):
       if n.startswith(a) and b + n[1:] in index:
         return index[b + n[1:]]

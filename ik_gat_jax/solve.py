@@ -184,6 +184,9 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
     smpl_lib.check_smpl_rig(rig)  # refuse before solving
   source = exports.read_positions(input, rig, joint_map=joint_map, bvh_units=units,
                                   bvh_fps=fps, reference_pose=reference_pose)
+  if source.first_dropped is not None:
+    log(f'the first frame left out: joint map {source.first_dropped} reads it as the T-pose its '
+        'files open with')
   if source.reference is not None:  # another bind of the rig: the input's own rotations
     if kind == 'smpl' or smpl_npz is not None:
       raise InputError('SMPL pose parameters are in SMPL\'s own joint frames, and this '
@@ -205,10 +208,22 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
     log('offsets: the rig\'s template (the input has none), so the rotations are relative to '
         'its rest pose; --offsets_from=BVH gives the subject\'s own, --fit_offsets a skeleton '
         'that reproduces the input')
+  if (kind == 'smpl' or smpl_npz is not None) and offsets_source in ('template', 'fitted'):
+    log('SMPL trans: the root minus the rest root in the written offsets (not the body '
+        'model\'s own, which a reader of trans adds): give its rest joints as the input npz\'s '
+        '`offsets` for a body model to stand where the input does')
   rate = float(fps or source.fps or 30.0)
   solver.fps = rate
   mask, orient = _sparse_inputs(solver, trackers, orientations, len(source.positions))
   ends = _end_sites(solver, end_sites, source)
+  if units is None and not (source.metres_rig and joint_map is not None):
+    # Units by default (metres; a BVH's: cm by the rig's joint names, or its rig's joint
+    # map's): bones 4x off mean other units, and rotations solved from them mean nothing.
+    arr = (source.positions if source.metres_rig
+           else solver.prepare(source.positions, input_axes=M, check=False)[0])
+    problem = solver_lib.units_problem(arr, rig, source.bvh_units_m or 1.0)
+    if problem:
+      raise InputError(f'{problem} (no --units given)')
   if source.metres_rig and solver_lib.all_finite(source.positions):
     # Read at the BVH's units already: a units hint names the file's (--units=cm, not 0.18).
     solver_lib.check_plausibility(source.positions @ M.T, rig, source.bvh_units_m or 1.0)

@@ -127,7 +127,7 @@ from ik_gat_jax import windows
 from ik_gat_jax.errors import CheckpointError, InputError  # noqa: F401  (also solver.InputError)
 from ik_gat_jax.io import exports
 from ik_gat_jax.io.units import UNITS, parse_units  # noqa: F401  (also solver.parse_units)
-from ik_gat_jax.skeleton import Rig, RigError, get_rig, rest_positions_np
+from ik_gat_jax.skeleton import BUILTIN_RIGS, Rig, RigError, get_rig, rest_positions_np
 
 DEFAULT_BLOCK = 1024
 # Most threads `default_workers` gives a clip's chunks (measured on 2 cores only; BENCHMARKS.md).
@@ -146,7 +146,8 @@ _REST_POSE_WARN_DEG = 20.0
 _REST_BONE_WARN_DEG = 60.0
 # The units a plausibility warning may name (the hint's candidates, in this order).
 _UNIT_LABELS = {'m': 'metres', 'cm': 'centimetres', 'mm': 'millimetres', 'inch': 'inches',
-                'in': 'inches'}
+                'in': 'inches', 'cmu': 'CMU\'s units (0.056444 m; this project\'s BVH of a CMU '
+                'file too)'}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,6 +339,26 @@ def units_hint(ratio: float, scale: float) -> str:
 _PLAUSIBILITY_FRAMES = 512  # check_plausibility judges at most this many frames of a clip
 
 
+def units_problem(positions: np.ndarray, rig: Rig, scale: float = 1.0) -> str | None:
+  """What is wrong with the units of `positions [T, J, 3]` (metres after `scale` metres per
+  input unit, rig axes; frames with a missing joint not counted): median bone lengths over
+  `_UNIT_WARN_RATIO` times the template's or under its inverse, with the `--units` that would
+  fit; None when they are plausible, or nothing can be judged (no template, no whole frame)."""
+  try:
+    rig.template()
+  except RigError:
+    return None
+  positions = positions[np.isfinite(positions).all(axis=(1, 2))]
+  if not len(positions):
+    return None
+  ratio = length_ratio(np.median(bone_lengths(positions, rig), axis=0), rig)
+  if ratio < 1e-9:
+    return 'bone lengths are ~0: every joint sits at the same place?'
+  if not 1 / _UNIT_WARN_RATIO < ratio < _UNIT_WARN_RATIO:
+    return f'bone lengths are {ratio:.3g}x the template\'s ({rig.name}): {units_hint(ratio, scale)}'
+  return None
+
+
 def check_plausibility(positions: np.ndarray, rig: Rig, scale: float = 1.0) -> list[str]:
   """Warns (`warnings.warn`, also returned) on likely unit or axis problems.
 
@@ -352,13 +373,7 @@ def check_plausibility(positions: np.ndarray, rig: Rig, scale: float = 1.0) -> l
   except RigError:
     return []
   positions = positions[::-(-len(positions) // _PLAUSIBILITY_FRAMES)]
-  msgs = []
-  ratio = length_ratio(np.median(bone_lengths(positions, rig), axis=0), rig)
-  if ratio < 1e-9:
-    msgs.append('bone lengths are ~0: every joint sits at the same place?')
-  elif not 1 / _UNIT_WARN_RATIO < ratio < _UNIT_WARN_RATIO:
-    msgs.append(f'bone lengths are {ratio:.3g}x the template\'s ({rig.name}): '
-                f'{units_hint(ratio, scale)}')
+  msgs = [m for m in (units_problem(positions, rig, scale),) if m]
   msgs += _check_up(positions, rig)
   for m in msgs:
     warnings.warn(m, stacklevel=3)
@@ -372,15 +387,33 @@ def _top_joint(rig: Rig) -> int:
   return int(np.argmax((rest - rest[0]) @ np.asarray(rig.up)))
 
 
+_UP_EXTENT_RATIO = 1.25  # as data_prep.conversion's: upright bodies extend most along up
+
+
 def _check_up(positions: np.ndarray, rig: Rig) -> list[str]:
   """The mean head - root vector should point up: warn when it is below, or over 60 degrees
-  off (the input's up is another axis; fine for a clip that lies down throughout)."""
+  off (the input's up is another axis; fine for a clip that lies down throughout). The head
+  is the top joint of the rig's natural pose, known for a built-in rig or one that names its
+  reference pose; another rig's zero pose may be any (another lab's bind: a toe on top), so
+  there the bodies must also extend most along another axis than up (median over frames of
+  the highest joint minus the lowest, `_UP_EXTENT_RATIO` times up's or more), as upright
+  bodies do not."""
   head = _top_joint(rig)
   v = np.mean(positions[:, head] - positions[:, 0], axis=0)
   up = np.asarray(rig.up)
   n = np.linalg.norm(v)
   if n < 1e-9 or float(v @ up) >= 0.5 * n:
     return []
+  if not (rig.has_reference_pose or rig.name in BUILTIN_RIGS):
+    extent = np.median(positions.max(axis=1) - positions.min(axis=1), axis=0)
+    k, u = int(np.argmax(extent)), int(np.argmax(np.abs(up)))
+    if k == u or extent[k] < _UP_EXTENT_RATIO * extent[u]:
+      return []
+    M = _suggest_axes(k, 1.0, rig)
+    return [f'up axis looks wrong: the bodies extend most along {"xyz"[k]} (median '
+            f'{extent[k]:.2f} m, against {extent[u]:.2f} m along rig up '
+            f'{axes_text(up[None])}); pass --input_axes (e.g. --input_axes={axes_text(M)} if '
+            f'input +{"xyz"[k]} is up)']
   where = ('below the' if float(v @ up) < 0 else
            f'{math.degrees(math.acos(float(v @ up) / n)):.0f} degrees off up from the')
   k = int(np.argmax(np.abs(v)))  # the input axis that points up: suggest the map to rig up

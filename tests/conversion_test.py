@@ -188,6 +188,11 @@ def test_position_channels_on_a_non_root_fold_if_constant_and_refuse_if_moving()
   moving = constant[:2] + ['1 2 3 10 20 30 0 1.6 0 5 0 0 0 0 7']
   with pytest.raises(ConversionError, match='Mid has position channels that move'):
     retarget.convert_motion(_chain(six, moving), chain, np.eye(3), 120.0)
+  # Blender's default export: every joint's channels, with float32 noise of ~1e-6 m: read,
+  # and the FK check holds (the noise is the only difference, 2e-6 m here).
+  noisy = constant[:2] + ['1 2 3 10 20 30 0.000002 1.5 0 5 0 0 0 0 7']
+  _, out, _, _, err = retarget.convert_motion(_chain(six, noisy), chain, np.eye(3), 120.0)
+  assert err <= 2e-6 + 1e-12
 
 
 def test_joint_map_errors_name_the_problem():

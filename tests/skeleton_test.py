@@ -48,6 +48,11 @@ def test_mirror_map():
   m = dict(zip(rig.joint_names, (rig.joint_names[i] for i in rig.mirror)))
   assert m['LeftArm'] == 'RightArm' and m['RightToeBase'] == 'LeftToeBase' and m['Head'] == 'Head'
   assert sk.mirror_map_from_names(['Hips', 'LHipJoint', 'RHipJoint']) == (0, 2, 1)
+  # Other tools' conventions: Unreal's 'thigh_l', Blender's 'thigh.L', 'l_hip', 3ds Max
+  # Biped's 'Bip01 L Thigh', upper-case words; a side letter inside a word is not one.
+  names = ['pelvis', 'thigh_l', 'upper_arm.L', 'l_hip', 'Bip01 L Thigh', 'LEFT_FOOT', 'Lumbar',
+           'thigh_r', 'upper_arm.R', 'r_hip', 'Bip01 R Thigh', 'RIGHT_FOOT', 'Rumbar_x']
+  assert sk.mirror_map_from_names(names) == (0, 7, 8, 9, 10, 11, 6, 1, 2, 3, 4, 5, 12)
 
 
 @pytest.mark.parametrize('change, message', [

@@ -4,6 +4,7 @@ Most cases call `solve_file` in-process (the main is a thin flag parser around i
 `python -m ik_gat_jax.solve` end to end in a subprocess.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -115,8 +116,12 @@ def test_csv_input_with_units(ckpt, clip_npz, tmp_path):
   _, pos = clip_npz
   csv = tmp_path / 'walk.csv'
   csv.write_text('\n'.join(','.join(f'{v:.6f}' for v in row) for row in 100 * pos.reshape(6, -1)))
-  with pytest.warns(UserWarning, match='looks like centimetres: pass --units=cm'):
+  # No units given: refused, naming them (metres by default: bones 100x the template's).
+  with pytest.raises(InputError, match=r'looks like centimetres: pass --units=cm \(no --units'):
     solve.solve_file(csv, tmp_path / 'a.npz', checkpoint=ckpt, log=_quiet)
+  assert not (tmp_path / 'a.npz').exists()
+  with pytest.warns(UserWarning, match='looks like centimetres: pass --units=cm'):  # given
+    solve.solve_file(csv, tmp_path / 'a.npz', checkpoint=ckpt, units='mm', log=_quiet)
   solve.solve_file(csv, tmp_path / 'b.npz', checkpoint=ckpt, units='cm', log=_quiet)
   with np.load(tmp_path / 'b.npz') as z:
     np.testing.assert_allclose(z['positions'], pos, atol=1e-6)
@@ -308,7 +313,7 @@ def test_bvh_output_keeps_the_input_names_orders_and_units(ckpt, cmu_dir, tmp_pa
   # In centimetres, read without --units (as CMU's units, its joint names'): the hint names
   # the file's unit, not a factor on the metres it was read as (it said --units=0.18).
   _reordered_cmu(cmu_dir / '07_12.bvh', tmp_path / 'in_cm.bvh', 3, UNITS['cm'])
-  with pytest.warns(UserWarning, match='looks like centimetres: pass --units=cm'):
+  with pytest.raises(InputError, match='looks like centimetres: pass --units=cm'):
     solve.solve_file(tmp_path / 'in_cm.bvh', tmp_path / 'no_units.npz', checkpoint=ckpt,
                      log=_quiet)
   lines = []
@@ -347,3 +352,54 @@ def test_bvh_output_keeps_the_input_names_orders_and_units(ckpt, cmu_dir, tmp_pa
     assert (err <= bound).all(), (err.max(), bound.max())
     err32 = np.linalg.norm(back - fk, axis=-1)
     assert (err32 <= bound + _float32_bound(R, exact, offsets, parents)).all(), err32.max()
+
+
+def _with_extra_finger(m: bvh.BVHMotion, under: str) -> bvh.BVHMotion:
+  """`m` with one more rotating joint (and its End Site) as the first child of `under`: a
+  joint cgspeed CMU's files do not have, as another lab's export might carry."""
+  j = m.names.index(under)
+  col = sum(len(joint.channels) for joint in m.joints[:j + 1])
+  joints = [dataclasses.replace(joint, parent=joint.parent + (joint.parent > j))
+            for joint in m.joints]
+  joints.insert(j + 1, bvh.BVHJoint('LeftExtraFinger', j, np.array([1.0, 0.0, 0.0]),
+                                    ('Zrotation', 'Yrotation', 'Xrotation'),
+                                    np.array([1.0, 0.0, 0.0])))
+  angles = np.random.default_rng(0).uniform(-40, 40, (m.num_frames, 3))
+  motion = np.concatenate([m.motion[:, :col], angles, m.motion[:, col:]], axis=1)
+  return bvh.BVHMotion(joints, m.frame_time, motion)
+
+
+@pytest.mark.filterwarnings('ignore:up axis looks wrong')  # an untrained model's poses
+def test_other_exports_of_a_cmu_file(ckpt, cmu_dir, tmp_path):
+  """What another tool makes of a cgspeed CMU file: a joint more (left out, in a warning,
+  the same solution), one frame (the T-pose frame the joint map leaves out: said), and this
+  project's own BVH of it read back without --units (refused, naming CMU's units)."""
+  m = bvh.read_bvh(cmu_dir / '07_05.bvh')
+  m = dataclasses.replace(m, motion=m.motion[:6])
+  bvh.write_bvh(tmp_path / 'clip.bvh', m, precision=None)
+  bvh.write_bvh(tmp_path / 'extra.bvh', _with_extra_finger(m, 'LeftHand'), precision=None)
+  lines = []
+  solve.solve_file(tmp_path / 'clip.bvh', tmp_path / 'clip.npz', checkpoint=ckpt,
+                   log=lines.append)
+  assert any('first frame left out: joint map cmu_body' in line for line in lines), lines
+  with pytest.warns(UserWarning, match=r'joints LeftExtraFinger are not in joint map cmu_body'):
+    solve.solve_file(tmp_path / 'extra.bvh', tmp_path / 'extra.npz', checkpoint=ckpt,
+                     log=_quiet)
+  with np.load(tmp_path / 'clip.npz') as a, np.load(tmp_path / 'extra.npz') as b:
+    assert a['local_rot'].shape[0] == 5
+    for key in ('positions', 'local_rot', 'offsets'):
+      np.testing.assert_array_equal(a[key], b[key])
+  bvh.write_bvh(tmp_path / 'one.bvh', dataclasses.replace(m, motion=m.motion[:1]))
+  with pytest.raises(InputError, match='no frames to solve .joint map cmu_body leaves out the '
+                     'first'):
+    solve.solve_file(tmp_path / 'one.bvh', tmp_path / 'one.npz', checkpoint=ckpt, log=_quiet)
+  solve.solve_file(tmp_path / 'clip.bvh', tmp_path / 'out.bvh', checkpoint=ckpt, log=_quiet)
+  with pytest.raises(InputError, match=r'looks like CMU.s units .*: pass --units=cmu \(no '):
+    solve.solve_file(tmp_path / 'out.bvh', tmp_path / 'back.npz', checkpoint=ckpt, log=_quiet)
+  assert not (tmp_path / 'back.npz').exists()
+  solve.solve_file(tmp_path / 'out.bvh', tmp_path / 'back.npz', checkpoint=ckpt, units='cmu',
+                   log=_quiet)
+  with np.load(tmp_path / 'clip.npz') as a, np.load(tmp_path / 'back.npz') as b:
+    # The written angles to 1e-6 deg (2e-8 rad over a 2 m chain: 4e-8 m) and FK in float32
+    # (about 1e-7 relative on 1 m: 1e-6 m over the chain's 20 products): 2e-5 m is 10x that.
+    np.testing.assert_allclose(b['positions'], a['positions_fk'], atol=2e-5)

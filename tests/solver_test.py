@@ -4,6 +4,7 @@ The checkpoints are untrained tiny models saved in the trainer's format (seconds
 needed); what is tested is the plumbing (shapes, frames, FK consistency, files), not accuracy.
 """
 
+import dataclasses
 import io
 import warnings
 
@@ -154,7 +155,9 @@ def test_fitted_offsets_are_the_ones_the_rotations_imply(solver):
 @pytest.mark.parametrize('units', ['cm', 'm'])
 def test_bvh_write_read_fk_matches_solver(solver, tmp_path, units):
   rig = solver.rig
-  sol = solver.solve(posed_clip(rig, solver.offsets, T=5, seed=3), full=True)
+  offsets = np.asarray(solver.offsets).copy()
+  offsets[0] = (0.1, 0.9, -0.2)  # a root rest position (smpl22's template has one)
+  sol = solver.solve(posed_clip(rig, offsets, T=5, seed=3), offsets=offsets, full=True)
   path = tmp_path / f'out_{units}.bvh'
   exports.write_solution_bvh(path, sol, rig, fps=30.0, units=units)
   motion = bvh.read_bvh(path)
@@ -162,15 +165,43 @@ def test_bvh_write_read_fk_matches_solver(solver, tmp_path, units):
   scale = exports.BVH_UNITS[units]
   p = bvh.naive_fk_np(motion, scale=scale)[:, order]
   np.testing.assert_allclose(p, sol.positions_fk, atol=1e-4)
-  np.testing.assert_allclose(motion.offsets[order] * scale, sol.offsets, atol=1e-9)
+  # The root's OFFSET is 0, so a reader that adds it to the root's channels (three.js's
+  # BVHLoader) places the body where one that does not (Blender, Assimp, this FK) does.
+  np.testing.assert_array_equal(motion.joints[0].offset, 0.0)
+  np.testing.assert_allclose(motion.offsets[order][1:] * scale, sol.offsets[1:], atol=1e-9)
   assert motion.fps == pytest.approx(30.0)
   leaves = [j for j, kids in enumerate(rig.children) if not kids]
   assert all(motion.joints[order[j]].end_site is not None for j in leaves)
   # The file's own offsets come back as the subject, and its positions as the input.
-  np.testing.assert_allclose(exports.read_bvh_offsets(path, rig, units=units), sol.offsets,
-                             atol=1e-6)
+  np.testing.assert_allclose(exports.read_bvh_offsets(path, rig, units=units)[1:],
+                             sol.offsets[1:], atol=1e-6)
   clip = exports.read_bvh_clip(path, rig, units=units)
   np.testing.assert_allclose(clip.positions, sol.positions_fk, atol=1e-4)
+
+
+def test_bvh_channels_are_continuous_over_time(tmp_path):
+  """Each joint turning about its order's middle axis by 25 degrees a frame for two turns,
+  between fixed turns about the other two: every rotation order's channels come out as that
+  continuous triple (no 360-degree wraps, no switch to the other triple of a rotation at a
+  middle angle of 90), and FK is unchanged."""
+  rig = skeleton.cmu_body()
+  T, J = 30, rig.num_joints
+  for order in ('ZYX', 'XYZ', 'YZX', 'ZXY', 'XZY', 'YXZ'):
+    # Middle angles 4.5 degrees or more from 90 + 180 k (gimbal lock: there only the sum or
+    # the difference of the other two is defined).
+    middle = 25.0 * np.arange(T)[:, None] + 0.37 * np.arange(J) + 3.1
+    want = np.stack(np.broadcast_arrays(20.0, middle, 10.0), axis=-1)  # [T, J, 3] in `order`
+    R = Rotation.from_euler(order, want.reshape(-1, 3), degrees=True).as_matrix()
+    R = R.reshape(T, J, 3, 3)
+    motion = exports.solution_bvh(R, np.zeros((T, 3)), rig.template(), rig, 30.0,
+                                  orders=[order] * J)
+    order_j = [motion.names.index(n) for n in rig.joint_names]
+    got = motion.motion[:, 3:].reshape(T, J, 3)[:, order_j]
+    np.testing.assert_allclose(got, want, atol=1e-6, err_msg=order)
+    bvh.write_bvh(tmp_path / 'turn.bvh', motion)
+    _, p = fk_np(R, rig.template(), rig.parents, np.zeros((T, 3)))
+    back = bvh.read_bvh(tmp_path / 'turn.bvh')
+    np.testing.assert_allclose(bvh.naive_fk_np(back, 0.01)[:, order_j], p, atol=1e-6)
 
 
 def test_bvh_with_extra_joints_reduces_by_name(solver, tmp_path):
@@ -310,6 +341,26 @@ def test_unit_and_axis_warnings(solver):
   assert _warnings_of(lambda: solver.solve(z_up, input_axes='x,z,-y')) == []
   upside_down = pos * np.array([1.0, -1.0, -1.0])
   assert any('up axis looks wrong' in m for m in _warnings_of(lambda: solver.solve(upside_down)))
+
+
+def test_up_check_of_a_rig_whose_zero_pose_is_not_upright(solver):
+  """Another lab's rig whose zero pose has its legs up (a toe on top, as under random binds):
+  an upright clip draws no up warning (the toe is no head), z-up data still does, by the
+  bodies' extent, with the axes that fix it."""
+  cmu = solver.rig
+  template = np.asarray(cmu.template()).copy()
+  legs = [cmu.joint_names.index(n) for n in ('LeftUpLeg', 'LeftLeg', 'LeftFoot', 'LeftToeBase')]
+  template[legs, 1] *= -1.0
+  rig = skeleton.make_rig('legs_up', cmu.joint_names, cmu.parents, template, up=cmu.up,
+                          forward=cmu.forward)
+  assert solver_lib._top_joint(rig) == cmu.joint_names.index('LeftToeBase')
+  pos = posed_clip(cmu, solver.offsets, T=4, scale=0.2)
+  assert any('up axis looks wrong' in m for m in _warnings_of(
+      lambda: solver_lib.check_plausibility(pos, dataclasses.replace(rig, name='cmu_body'))))
+  assert solver_lib.check_plausibility(pos, rig) == []
+  z_up = pos @ parse_input_axes('x,z,-y')
+  msgs = _warnings_of(lambda: solver_lib.check_plausibility(z_up, rig))
+  assert any('bodies extend most along z' in m and '--input_axes=x,z,-y' in m for m in msgs), msgs
 
 
 def test_plausibility_of_a_long_clip_on_spread_frames(solver):

@@ -276,6 +276,18 @@ def test_bvh(node_exe, solved, tmp_path, orders, write_bvh_in_orders):
   check_scene(scene, rig, sol.positions_fk, sol.global_rot, FPS, 0.01, by_node=False)
 
 
+def test_bvh_of_a_rig_whose_root_has_an_offset(node_exe, tmp_path):
+  """BVHLoader adds the root's OFFSET to its position channels (Blender and Assimp do not):
+  the writer's root OFFSET 0 0 0 puts the body where the solution has it (the z-up rig's root
+  rests 1 m up; it was drawn 1 m too high)."""
+  rig = _zup_rig()
+  sol = _random_clip(rig, 6, seed=4)
+  assert np.linalg.norm(sol.offsets[0]) > 0.5
+  exports.write_solution_bvh(tmp_path / 'rig.bvh', sol, rig, 24.0)
+  scene = three_scene(node_exe, 'bvh', tmp_path / 'rig.bvh', range(6))
+  check_scene(scene, rig, sol.positions_fk, sol.global_rot, 24.0, 0.01, by_node=False)
+
+
 def test_fbx(node_exe, solved, tmp_path, write_fbx_or_skip):
   sol, rig = solved
   path = tmp_path / 'clip.fbx'

@@ -57,6 +57,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -161,7 +162,9 @@ class PositionsFile:
   channel order of its source joint (`source_rotation_orders`), bvh_units_m: metres per
   file unit it was read in, and reference: `[J, 3, 3]` the world frames (rig world) of its
   joints in the rig's natural pose where its joint map names one (`reference_pose`: its zero
-  pose is another pose; `skeleton.with_reference_pose`), else None; None otherwise."""
+  pose is another pose; `skeleton.with_reference_pose`), else None; None otherwise;
+  first_dropped: the name of the joint map that left the file's first frame out (its T-pose
+  frame: cgspeed CMU), else None."""
   positions: np.ndarray
   offsets: np.ndarray | None = None
   fps: float | None = None
@@ -170,6 +173,7 @@ class PositionsFile:
   bvh_orders: tuple[str, ...] | None = None
   bvh_units_m: float | None = None
   reference: np.ndarray | None = None
+  first_dropped: str | None = None
 
 
 def read_positions(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = None,
@@ -315,7 +319,7 @@ def bvh_joint_map(motion: bvh.BVHMotion, rig: Rig, joint_map: str | None = None,
     except ConversionError:
       jmap = None
     if jmap is not None and {s for s, _ in jmap.joints} | set(jmap.prune) <= names:
-      return jmap.with_overrides(units=scale)
+      return _with_extra_subtrees_pruned(motion, jmap).with_overrides(units=scale)
   if not set(rig.joint_names) <= names:
     raise InputError(f'BVH {motion.path} lacks joints {sorted(set(rig.joint_names) - names)[:6]}'
                      f' of rig {rig.name!r} and no joint map fits it: pass --joint_map=JSON '
@@ -323,12 +327,34 @@ def bvh_joint_map(motion: bvh.BVHMotion, rig: Rig, joint_map: str | None = None,
   return _by_name_joint_map(motion, rig, scale)
 
 
-def _by_name_joint_map(motion: bvh.BVHMotion, rig: Rig, scale: float | None):
+def _unmapped_subtrees(motion: bvh.BVHMotion, kept: Sequence[str]) -> list[str]:
+  """The tops of `motion`'s subtrees that hold none of the joints named `kept`."""
   index = {n: i for i, n in enumerate(motion.names)}
-  keep = {index[n] for n in rig.joint_names}
+  keep = {index[n] for n in kept}
   live = lambda j: not keep.isdisjoint(depth_first_order(motion.parents, j))  # noqa: E731
-  prune = [n for j, n in enumerate(motion.names)
-           if not live(j) and motion.parents[j] >= 0 and live(motion.parents[j])]
+  return [n for j, n in enumerate(motion.names)
+          if not live(j) and motion.parents[j] >= 0 and live(motion.parents[j])]
+
+
+def _with_extra_subtrees_pruned(motion: bvh.BVHMotion, jmap: retarget.JointMap):
+  """The rig's own joint map, chosen for a file that has every joint it names, with the
+  file's other subtrees that hold no mapped joint pruned too (a finger or a jaw more than
+  the map's source has: the rig's joints do not depend on them), said in a warning."""
+  pruned = {n for p in jmap.prune
+            for n in (motion.names[j] for j in depth_first_order(
+                motion.parents, list(motion.names).index(p)))}
+  extra = [n for n in _unmapped_subtrees(motion, [s for s, _ in jmap.joints])
+           if n not in pruned]
+  if not extra:
+    return jmap
+  warnings.warn(f'BVH {motion.path}: joints {", ".join(extra[:6])}'
+                f'{" ..." if len(extra) > 6 else ""} are not in joint map {jmap.name} and '
+                'hold none of its joints: left out', stacklevel=3)
+  return dataclasses.replace(jmap, prune=tuple(jmap.prune) + tuple(extra))
+
+
+def _by_name_joint_map(motion: bvh.BVHMotion, rig: Rig, scale: float | None):
+  prune = _unmapped_subtrees(motion, rig.joint_names)
   return retarget.JointMap(
       joints=tuple((n, n) for n in rig.joint_names), prune=tuple(prune),
       units=scale if scale is not None else BVH_UNITS[DEFAULT_BVH_UNITS],
@@ -357,7 +383,9 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
   stop = None if max_frames is None else first + max_frames
   motion = dataclasses.replace(motion, motion=motion.motion[first:stop])
   if motion.num_frames < 1:
-    raise InputError(f'{path}: no frames to solve')
+    raise InputError(f'{path}: no frames to solve' + (
+        f' (joint map {jmap.name} leaves out the first, a T-pose in its files; --joint_map for '
+        'one that keeps it)' if first else ''))
   W = retarget.world_rotation(jmap.up, jmap.forward, rig.up, rig.forward)
   rate = retarget.source_fps(motion.frame_time)
   plan, out, G, p, _ = retarget.convert_motion(motion, jmap, W, fps or rate, rig.joint_names,
@@ -374,7 +402,8 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
   return PositionsFile(p, out.offsets, fps or rate, metres_rig=True,
                        end_sites=retarget.end_sites_world(out, G, p, rig.parents),
                        bvh_orders=source_rotation_orders(motion, jmap, rig),
-                       bvh_units_m=jmap.units, reference=F)
+                       bvh_units_m=jmap.units, reference=F,
+                       first_dropped=jmap.name if first else None)
 
 
 def source_rotation_orders(motion: bvh.BVHMotion, jmap, rig: Rig) -> tuple[str, ...]:
@@ -436,6 +465,27 @@ def euler_degrees(R: np.ndarray, order: str = DEFAULT_BVH_ORDER) -> np.ndarray:
   return angles[:len(flat)].reshape(R.shape[:-2] + (3,))
 
 
+def continuous_euler(angles: np.ndarray) -> np.ndarray:
+  """`[T, ..., 3]` intrinsic Euler angles (degrees; any order, middle angle in [-90, 90] as
+  `euler_degrees` gives them) -> the same rotations with each frame's angles the nearest to the
+  previous frame's: of the two triples of a rotation, (a, b, c) and (a + 180, 180 - b, c + 180),
+  the one whose change from the previous frame is smaller (summed over the three, each modulo
+  360), then each angle unwrapped (`np.unwrap`, period 360), as Blender's BVH importer keeps
+  them. Frame 0 keeps its own. Exact greedy choice, vectorised: both triples of a frame differ
+  from both of the previous frame's by the same two amounts, so a frame switches triple
+  relative to the previous one where its other triple is nearer, whatever came before."""
+  a = np.asarray(angles, np.float64)
+  if len(a) < 2:
+    return a.copy()
+  wrap = lambda x: (x + 180.0) % 360.0 - 180.0  # noqa: E731
+  other = np.stack([a[..., 0] + 180.0, 180.0 - a[..., 1], a[..., 2] + 180.0], axis=-1)
+  same = np.abs(wrap(np.diff(a, axis=0))).sum(-1)
+  switch = np.abs(wrap(other[1:] - a[:-1])).sum(-1) < same
+  odd = np.concatenate([np.zeros_like(switch[:1]), np.cumsum(switch, axis=0) % 2 == 1])
+  chosen = np.where(odd[..., None], other, a)
+  return np.unwrap(chosen, period=360.0, axis=0)
+
+
 def euler_degrees_per_joint(R: np.ndarray, orders: Sequence[str]) -> np.ndarray:
   """`R [T, J, 3, 3]` -> `[T, J, 3]` degrees, joint j in `orders[j]` (`euler_degrees`); one
   conversion per distinct order, over the joints that use it."""
@@ -474,7 +524,12 @@ def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarra
                  orders: Sequence[str] | None = None) -> bvh.BVHMotion:
   """The rig animated by `local_rot [T, J, 3, 3]`, root at `root_pos [T, 3]` (metres), on
   `offsets [J, 3]` (metres), in `units` (metres per file unit or a name: 'cm', 'm', 'inch',
-  ...), joint j's rotation channels in `orders[j]` (rig order, e.g. 'XZY'; default ZYX)."""
+  ...), joint j's rotation channels in `orders[j]` (rig order, e.g. 'XZY'; default ZYX).
+
+  The root's OFFSET is 0 0 0 and its position channels its world position: readers that add
+  the root's OFFSET to them (three.js's BVHLoader) and those that do not (Blender, Assimp, this
+  package) put it in the same place. The angles are continuous over time (`continuous_euler`),
+  so a tool that interpolates channels does not spin a joint between frames."""
   k = 1.0 / bvh_metres_per_unit(units)
   orders = check_rotation_orders(orders, rig)
   order = depth_first_order(rig.parents)
@@ -486,11 +541,12 @@ def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarra
     channels = ((bvh.POSITION_CHANNELS if p < 0 else ()) +
                 tuple(f'{axis}rotation' for axis in orders[j]))
     joints.append(bvh.BVHJoint(name=rig.joint_names[j], parent=pos_in_file[p] if p >= 0 else -1,
-                               offset=_float32_digits(np.asarray(offsets[j], np.float64) * k),
+                               offset=(np.zeros(3) if p < 0 else  # the channels say it all
+                                       _float32_digits(np.asarray(offsets[j], np.float64) * k)),
                                channels=channels,
                                end_site=None if ends[j] is None else _float32_digits(ends[j] * k)))
-  angles = euler_degrees_per_joint(np.asarray(local_rot)[:, order],
-                                   [orders[j] for j in order])  # [T, J, 3]
+  angles = continuous_euler(euler_degrees_per_joint(np.asarray(local_rot)[:, order],
+                                                   [orders[j] for j in order]))  # [T, J, 3]
   motion = np.concatenate([np.asarray(root_pos, np.float64) * k,
                            angles.reshape(len(angles), -1)], axis=1)
   return bvh.BVHMotion(joints=joints, frame_time=1.0 / fps, motion=motion)

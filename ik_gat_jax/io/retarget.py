@@ -15,7 +15,9 @@ Choices written down (DESIGN leaves them open):
   "identity in every frame" (CMU's LHipJoint, LeftShoulder) becomes "the same in every frame",
   and the rule must not depend on the bind (DESIGN section 3, rig invariance). Joints above the rig's root (a dummy root, "Armature") fold into the root's world
   transform exactly, moving or not. Position channels of any other joint must be constant (within
-  1e-6 m); their value replaces the OFFSET (BVH semantics) and becomes the rig offset.
+  1e-5 m, FK_TOL_M: Blender's default export writes them on every joint, with float32 noise of
+  about 1e-6 m); their first frame's value replaces the OFFSET (BVH semantics) and becomes the
+  rig offset, and the FK check below bounds what the noise adds up to along a chain.
 - Namespaces. A file whose joint names all carry one namespace ('Anna:Hips', 'mixamorig:Hips')
   is read by the bare names (`bvh.strip_namespace`), and a joint map's source names the same way
   (`without_namespace`): subjects exported under their own namespaces share one hierarchy.
@@ -90,7 +92,7 @@ SCHEMA_PATH = JOINT_MAP_DIR / 'schema.json'
 IDENTITY_TOL_DEG = 1e-3  # a removed joint may rotate this much (DESIGN section 3)
 REFERENCE_POSES = ('zero', 'first_frame')  # joint map `reference_pose` names (module docstring)
 REFERENCE_TOL_DEG = 0.01  # a joint map's reference pose vs its rig's
-STATIC_TOL_M = 1e-6  # position channels moving less than this are constant
+STATIC_TOL_M = 1e-5  # position channels moving less than this are constant (FK_TOL_M)
 FK_TOL_M = 1e-5  # verification threshold (DESIGN section 3)
 FPS_SNAP_REL = 1e-4  # relative distance of a frame rate to an integer that snaps to it
 
