@@ -78,13 +78,44 @@ def card(meta: dict, test: dict | None, size_bytes: int, name: str,
   return '\n'.join(lines + [''])
 
 
+def check_replaceable(output: str | os.PathLike) -> None:
+  """Refuses an `output` that exists and is not an earlier export (a card README.md with its
+  training command, one step directory, JSON reports): it is replaced whole, so a data or
+  run folder given by mistake would be lost."""
+  out = Path(output)
+  if not out.exists():
+    return
+  if not out.is_dir():
+    raise ValueError(f'output {out} exists and is a file, not a checkpoint export')
+  entries = sorted(out.iterdir())
+  steps = [e for e in entries if e.is_dir() and e.name.isdigit()]
+  other = [e.name for e in entries if e not in steps and not (
+      e.is_file() and (e.name == 'README.md' or e.suffix == '.json'))]
+  readme = out / 'README.md'
+  card_text = readme.read_text(errors='replace') if readme.is_file() else ''
+  if other or len(steps) > 1 or 'Training command:' not in card_text:
+    listed = ', '.join(other[:4] or [e.name for e in entries[:4]]) or 'nothing'
+    raise ValueError(f'output {out} exists and is not a checkpoint export (it holds {listed}'
+                     f'{" ..." if len(other) > 4 else ""}), so it is not replaced: give a new '
+                     'folder or an earlier export')
+
+
+def _default_mode() -> int:
+  """The permissions a new folder gets under this process's umask (mkdtemp gives 0700)."""
+  mask = os.umask(0)
+  os.umask(mask)
+  return 0o777 & ~mask
+
+
 def export_run(run: str | os.PathLike, output: str | os.PathLike, *, task: str = 'ikgat',
                test: dict | None = None, report_json: str | os.PathLike | None = None,
                acknowledgment: str | None = ACK, test_heading: str = 'Test split',
                extra: str = '') -> dict:
   """Copies `run`'s best checkpoint (parameters only) to `output` with its card (README.md),
   `test_metrics.json` (from `test`, an evaluation result) and `report_json`; the whole directory
-  is written beside `output` and renamed into place. Returns {'output', 'step', 'size_bytes'}."""
+  is written beside `output` and renamed into place, replacing an earlier export there
+  (anything else is refused: `check_replaceable`). Returns {'output', 'step', 'size_bytes'}."""
+  check_replaceable(output)
   src = Path(run) / 'checkpoints' / 'best'
   ckpt = checkpointing.Checkpointer(src, create=False)
   meta = ckpt.restore_meta()
@@ -111,6 +142,8 @@ def export_run(run: str | os.PathLike, output: str | os.PathLike, *, task: str =
     if test:
       (tmp / 'test_metrics.json').write_text(json.dumps(
           {k: v for k, v in test.items() if k not in ('per_joint', 'per_file')}, indent=1))
+    tmp.chmod(_default_mode())
+    check_replaceable(out)  # again: it may have appeared while the export was written
     if out.exists():
       shutil.rmtree(out)
     os.replace(tmp, out)

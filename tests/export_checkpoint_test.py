@@ -1,0 +1,36 @@
+"""experiments.export_checkpoint: an export replaces an earlier export and nothing else."""
+
+import os
+
+import pytest
+
+from experiments import export_checkpoint
+from tests.solver_test import tiny_checkpoint
+
+
+@pytest.fixture(scope='module')
+def run(tmp_path_factory):
+  """A run directory as experiments.train leaves one: checkpoints/best (an untrained model)."""
+  run = tmp_path_factory.mktemp('run')
+  (run / 'checkpoints').mkdir()
+  os.symlink(tiny_checkpoint(tmp_path_factory), run / 'checkpoints' / 'best')
+  return run
+
+
+def test_export_replaces_an_export_and_refuses_any_other_folder(run, tmp_path):
+  out = tmp_path / 'ckpt'
+  done = export_checkpoint.export_run(run, out, acknowledgment=None)
+  assert sorted(p.name for p in out.iterdir()) == [str(done['step']), 'README.md']
+  mask = os.umask(0)
+  os.umask(mask)
+  assert out.stat().st_mode & 0o777 == 0o777 & ~mask  # not mkdtemp's 0700
+  export_checkpoint.export_run(run, out, acknowledgment=None)  # an earlier export: replaced
+  data = tmp_path / 'mocap'
+  data.mkdir()
+  (data / 'walk.bvh').write_text('HIERARCHY')
+  (data / 'README.md').write_text('# my data')
+  for target in (data, run, data / 'walk.bvh'):
+    with pytest.raises(ValueError, match='not a checkpoint export|is a file'):
+      export_checkpoint.export_run(run, target, acknowledgment=None)
+  assert (data / 'walk.bvh').read_text() == 'HIERARCHY' and (run / 'checkpoints').is_dir()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['ckpt', 'mocap']  # no temporary left
