@@ -84,7 +84,9 @@ _OFFSETS = flags.DEFINE_enum('offsets', 'subject', list(evaluation.OFFSETS), 'Re
                              'the subject\'s own rotations.')
 _WARM = flags.DEFINE_boolean('warm_start', False, 'Warm start over windows of each clip.')
 _NOISE = flags.DEFINE_float('noise_mm', 0.0, 'Gaussian input noise per coordinate (mm).')
-_MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate at most this many frames.')
+_MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate about this many frames: each '
+                                   'file its share, rounded up (up to one more per file; '
+                                   'evaluation.select_frames).')
 _BATCH = flags.DEFINE_integer('batch_size', None, 'Frames per solver call.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Noise seed.')
 _OUTPUT = flags.DEFINE_string('output_json', None, 'Result file (written atomically); without '

@@ -40,7 +40,9 @@ _PRIOR = flags.DEFINE_string('prior', None, 'Pose prior of the iterative solver 
                              'shipped).')
 _NOISE = flags.DEFINE_list('noise_mm', ['0', '10', '20', '30'], 'Input noise levels (mm).')
 _ITERATIVE = flags.DEFINE_boolean('iterative', True, 'Include the iterative solver.')
-_MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate at most this many frames.')
+_MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate about this many frames: each '
+                                   'file its share, rounded up (up to one more per file; '
+                                   'evaluation.select_frames).')
 _CALLS = flags.DEFINE_integer('latency_calls', 2000, 'step() calls per latency measurement.')
 _REFINE = flags.DEFINE_integer('refine_iters', 50, 'Also both IK-GAT models mirror-averaged and '
                                'refined with this many iterations and the pose prior (0: not).')
