@@ -227,6 +227,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   if source.metres_rig and solver_lib.all_finite(source.positions):
     # Read at the BVH's units already: a units hint names the file's (--units=cm, not 0.18).
     solver_lib.check_plausibility(source.positions @ M.T, rig, source.bvh_units_m or 1.0)
+  missing = ~np.isfinite(np.asarray(source.positions, np.float64)).all(axis=-1)  # [T, J]
   sol = solver.solve(source.positions, offsets=offsets, estimate_lengths=estimate_lengths,
                      fit_offsets=fit_offsets,
                      units=None if source.metres_rig else units, input_axes=M, full=True,
@@ -234,7 +235,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                      orientations=orient, end_sites=ends)
   bvh_out = _bvh_output(source, bvh_units, rig)
   with exports.staged([output, smpl_npz, plot, clip], overwrite) as (out, smpl, png, frames):
-    _write_main(kind, out, sol, rig, rate, bvh_out, smpl_world, solver, offsets_source)
+    _write_main(kind, out, sol, rig, rate, bvh_out, smpl_world, solver, offsets_source,
+                missing)
     if smpl is not None:
       exports.write_smpl_npz(smpl, sol, rig, rate, world=smpl_world)
     _write_pictures(png, frames, sol, rig, rate, plot_frames, clip_frames)
@@ -317,7 +319,10 @@ def _end_sites(solver, end_sites: str | None, source) -> np.ndarray | None:
   return ends
 
 
-def _write_main(kind, path, sol, rig, fps, bvh_out, smpl_world, solver, offsets_source) -> None:
+def _write_main(kind, path, sol, rig, fps, bvh_out, smpl_world, solver, offsets_source,
+                missing=None) -> None:
+  """The main output; an npz also records `input_missing [T, J]` where `missing` (the
+  input's NaN joints, held or masked in the solution's `positions`) has any."""
   if kind == 'bvh':
     units_m, orders = bvh_out
     exports.write_solution_bvh(path, sol, rig, fps, units=units_m, orders=orders)
@@ -328,9 +333,11 @@ def _write_main(kind, path, sol, rig, fps, bvh_out, smpl_world, solver, offsets_
   elif kind == 'fbx':
     exports.write_solution_fbx(path, sol, rig, fps)
   else:
-    exports.write_npz_atomic(path, exports.solution_arrays(
-        sol, rig, fps, {'checkpoint': np.asarray(str(solver.source)),
-                        'offsets_source': np.asarray(offsets_source)}))
+    extra = {'checkpoint': np.asarray(str(solver.source)),
+             'offsets_source': np.asarray(offsets_source)}
+    if missing is not None and missing.any():
+      extra['input_missing'] = missing
+    exports.write_npz_atomic(path, exports.solution_arrays(sol, rig, fps, extra))
 
 
 def _write_pictures(png, frames_out, sol, rig, fps, plot_frames, clip_frames) -> None:

@@ -403,3 +403,21 @@ def test_other_exports_of_a_cmu_file(ckpt, cmu_dir, tmp_path):
     # The written angles to 1e-6 deg (2e-8 rad over a 2 m chain: 4e-8 m) and FK in float32
     # (about 1e-7 relative on 1 m: 1e-6 m over the chain's 20 products): 2e-5 m is 10x that.
     np.testing.assert_allclose(b['positions'], a['positions_fk'], atol=2e-5)
+
+
+@pytest.mark.filterwarnings('ignore:up axis looks wrong')  # an untrained model's poses
+def test_npz_output_records_the_inputs_missing_joints(ckpt, clip_npz, tmp_path):
+  """A dropout held (--hold_missing) leaves no NaN in the npz's `positions`: `input_missing`
+  says which joints were missing; a whole input writes none."""
+  _, pos = clip_npz
+  holes = pos.copy()
+  holes[3, 9] = holes[4, 9] = holes[4, 2] = np.nan
+  np.savez(tmp_path / 'holes.npz', positions=holes)
+  solve.solve_file(tmp_path / 'holes.npz', tmp_path / 'out.npz', checkpoint=ckpt,
+                   hold_missing=True, log=_quiet)
+  with np.load(tmp_path / 'out.npz') as z:
+    assert np.isfinite(z['positions']).all()
+    np.testing.assert_array_equal(z['input_missing'], np.isnan(holes).any(-1))
+  solve.solve_file(clip_npz[0], tmp_path / 'whole.npz', checkpoint=ckpt, log=_quiet)
+  with np.load(tmp_path / 'whole.npz') as z:
+    assert 'input_missing' not in z
