@@ -587,9 +587,11 @@ def write_smpl_npz(path: str | os.PathLike, sol, rig: Rig, fps: float,
 
 
 def write_solution_glb(path: str | os.PathLike, sol, rig: Rig, fps: float,
-                       overwrite: bool = True) -> None:
-  """`io.gltf.solution_glb` of a `solver.Solution` (glTF 2.0 binary), written atomically."""
-  gltf.write_solution_glb(check_output(path, overwrite), sol, rig, fps, overwrite=True)
+                       overwrite: bool = True, names: Sequence[str] | None = None) -> None:
+  """`io.gltf.solution_glb` of a `solver.Solution` (glTF 2.0 binary), written atomically;
+  `names` the nodes' names (default the rig's joint names), as for `write_solution_fbx`."""
+  gltf.write_solution_glb(check_output(path, overwrite), sol, rig, fps, overwrite=True,
+                          names=names)
 
 
 def write_solution_fbx(path: str | os.PathLike, sol, rig: Rig, fps: float,
