@@ -4,13 +4,17 @@
       [--config=experiments/configs/default.py] [--config.train.lr=3e-4 ...]
       [--distributed | --nodistributed]
 
-Rerunning with the same --workdir resumes from its latest checkpoint (on any number of devices).
+Rerunning with the same --workdir resumes from its latest checkpoint (on any number of devices);
+a finished run says so and exits 0, a higher --steps trains further, a lower one than it was
+trained to is refused (the run left as it was). --config defaults to this package's
+configs/default.py, from any working directory.
 Training uses every device it sees (the batch split over them, DESIGN section 8). On several
 hosts run the same command on each: --distributed starts `jax.distributed` (by default it starts
 when a launcher's environment is present: JAX_COORDINATOR_ADDRESS with JAX_NUM_PROCESSES and
 JAX_PROCESS_ID, SLURM or Open MPI with several tasks, a multi-host Cloud TPU).
 """
 
+from pathlib import Path
 import sys
 
 from absl import app, flags
@@ -19,7 +23,8 @@ from ml_collections import config_flags
 from experiments.common import fail_on_user_error
 from ik_gat_jax import train
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'experiments/configs/default.py',
+CONFIG_DIR = Path(__file__).resolve().parent / 'configs'
+_CONFIG = config_flags.DEFINE_config_file('config', str(CONFIG_DIR / 'default.py'),
                                           'Training config file.', lock_config=False)
 _DATA = flags.DEFINE_string('data', None, 'Shard directory (from data_prep.bvh_to_shards).')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory; an existing one is resumed.')
@@ -33,6 +38,8 @@ _DISTRIBUTED = flags.DEFINE_bool(
 @fail_on_user_error
 def main(argv):
   del argv
+  if _STEPS.value is not None and _STEPS.value < 1:
+    raise ValueError(f'--steps must be a positive number of steps, got {_STEPS.value}')
   train.initialize_distributed({None: 'auto', True: 'on', False: 'off'}[_DISTRIBUTED.value])
   config = _CONFIG.value
   config.data = _DATA.value
@@ -40,6 +47,7 @@ def main(argv):
     config.train.steps = _STEPS.value
   if _SIZE.value is not None:
     config.model.size = _SIZE.value
+  train.check_train_config(config.train, '--config.train')
   try:
     train.train_and_evaluate(config, _WORKDIR.value)
   except KeyboardInterrupt:

@@ -4,7 +4,9 @@
       [--config=experiments/configs/prior.py] [--config.model.kl_weight=...]
 
 Rerunning with the same --workdir resumes. At the end it reports val reconstruction (deg, mm),
-active latent dimensions and sample realism, printed and in WORKDIR/prior_report.json.
+active latent dimensions and sample realism, printed and in WORKDIR/prior_report.json. A
+finished run with its report says so and exits 0; a lower --steps than it was trained to is
+refused. --config defaults to this package's configs/prior.py, from any working directory.
 """
 
 from pathlib import Path
@@ -17,7 +19,8 @@ from experiments.common import fail_on_user_error
 from ik_gat_jax import data, inference, prior_task, train, vposer
 from ik_gat_jax.io import atomic
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'experiments/configs/prior.py',
+CONFIG_DIR = Path(__file__).resolve().parent / 'configs'
+_CONFIG = config_flags.DEFINE_config_file('config', str(CONFIG_DIR / 'prior.py'),
                                           'Prior config file.', lock_config=False)
 _DATA = flags.DEFINE_string('data', None, 'Shard directory.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory; an existing one is resumed.')
@@ -27,10 +30,15 @@ _STEPS = flags.DEFINE_integer('steps', None, 'Training steps (overrides the conf
 @fail_on_user_error
 def main(argv):
   del argv
+  if _STEPS.value is not None and _STEPS.value < 1:
+    raise ValueError(f'--steps must be a positive number of steps, got {_STEPS.value}')
   config = _CONFIG.value
   config.data = _DATA.value
   if _STEPS.value is not None:
     config.train.steps = _STEPS.value
+  train.check_train_config(config.train, '--config.train')
+  report_path = Path(_WORKDIR.value) / 'prior_report.json'
+  finished = train.finished_run(_WORKDIR.value, int(config.train.steps)) is not None
   train_data = data.load_shards(config.data, 'train')
   if not config.prior_stats:  # in the prior's chart (VAEConfig.bone_chart)
     config.prior_stats = prior_task.standardization_config(
@@ -39,6 +47,8 @@ def main(argv):
     train.train_and_evaluate(config, _WORKDIR.value, task=prior_task.PRIOR_TASK)
   except KeyboardInterrupt:
     sys.exit(130)
+  if finished and report_path.is_file():  # trained before, report written: nothing to redo
+    return
   model, meta = inference.load_model(_WORKDIR.value, task=prior_task.PRIOR_TASK)
   val_split = 'val' if 'val' in data.available_splits(config.data) else 'train'
   report = prior_task.evaluate_prior(model, train_data, data.load_shards(config.data, val_split),
@@ -48,7 +58,7 @@ def main(argv):
         f"active latent dims {report['active_dims']}/{report['latent']}; nearest training pose "
         f"from 1000 samples {report['sample_to_nearest_train_deg']:.2f} deg vs from val poses "
         f"{report['val_to_nearest_train_deg']:.2f} deg")
-  atomic.write_json(Path(_WORKDIR.value) / 'prior_report.json', report)
+  atomic.write_json(report_path, report)
 
 
 if __name__ == '__main__':

@@ -486,12 +486,127 @@ def _is_deleted(tree) -> bool:
              if isinstance(x, jax.Array))
 
 
+# The train config fields that must be positive integers / non-negative integers, and the
+# float fields that must be finite and positive / non-negative (absent ones are not checked).
+_POSITIVE_INTS = ('steps', 'batch_size', 'log_every', 'eval_every', 'checkpoint_every',
+                  'eval_batch_size', 'prefetch')
+_NON_NEGATIVE_INTS = ('warmup_steps',)
+_POSITIVE_FLOATS = ('lr', 'clip_norm')
+_NON_NEGATIVE_FLOATS = ('final_lr_fraction', 'weight_decay')
+
+
+def check_train_config(train_cfg, prefix: str = 'train') -> None:
+  """Refuses (one-line ValueError naming `prefix`.field) values that cannot train: zero or
+  negative steps, batch size, intervals; a learning rate or clip norm <= 0 (or NaN); a negative
+  warm-up, weight decay or final lr fraction. Called before anything is written."""
+
+  def bad(key, what):
+    raise ValueError(f'{prefix}.{key} must be {what}, got {train_cfg[key]!r}')
+
+  is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)  # noqa: E731
+  is_num = lambda v: is_int(v) or isinstance(v, (float, np.floating))  # noqa: E731
+  for key in _POSITIVE_INTS + _NON_NEGATIVE_INTS + _POSITIVE_FLOATS + _NON_NEGATIVE_FLOATS:
+    if key not in train_cfg:
+      continue
+    v = train_cfg[key]
+    if key in _POSITIVE_INTS and not (is_int(v) and v >= 1):
+      bad(key, 'a positive integer')
+    if key in _NON_NEGATIVE_INTS and not (is_int(v) and v >= 0):
+      bad(key, 'an integer >= 0')
+    if key in _POSITIVE_FLOATS and not (is_num(v) and v > 0 and (
+        math.isfinite(v) or key == 'clip_norm')):  # clip_norm inf: no clipping
+      bad(key, 'a positive number')
+    if key in _NON_NEGATIVE_FLOATS and not (is_num(v) and math.isfinite(v) and v >= 0):
+      bad(key, 'a number >= 0')
+
+
+def _finite_or_none(x):
+  """JSON has no Infinity or NaN (strict parsers refuse them): such floats become null."""
+  if isinstance(x, dict):
+    return {k: _finite_or_none(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_finite_or_none(v) for v in x]
+  if isinstance(x, (float, np.floating)) and not math.isfinite(x):
+    return None
+  return x
+
+
+def _write_run_json(workdir: Path, doc: dict) -> None:
+  """run.json, strict JSON: `best_value` is null while nothing was validated."""
+  atomic.write_json(workdir / 'run.json', _finite_or_none(doc), allow_nan=False)
+
+
+def read_run(workdir: str | os.PathLike) -> dict | None:
+  """`workdir`'s run.json (None without one); `best_value` null (no validation yet) reads as
+  None, and as infinity in files written before it was null."""
+  path = Path(workdir) / 'run.json'
+  if not path.is_file():
+    return None
+  doc = json.loads(path.read_text())
+  if doc.get('best_value') is not None and not math.isfinite(doc['best_value']):
+    doc['best_value'] = None
+  return doc
+
+
+def _checkpoint_step(directory: Path) -> int | None:
+  """The newest step in a checkpoint directory, None without one (creates nothing)."""
+  if not directory.is_dir():
+    return None
+  return checkpointing.Checkpointer(directory, max_to_keep=1, create=False).latest_step()
+
+
+def trained_step(workdir: str | os.PathLike) -> int | None:
+  """The step of `workdir`'s `checkpoints/latest` (what a rerun resumes from), or None."""
+  return _checkpoint_step(Path(workdir) / 'checkpoints' / 'latest')
+
+
+def finished_run(workdir: str | os.PathLike, steps: int) -> dict | None:
+  """`workdir`'s run.json when it records a run finished at exactly `steps` steps whose latest
+  and best checkpoints are on disk (a rerun has nothing to do), else None."""
+  workdir = Path(workdir)
+  run = read_run(workdir)
+  if run is None or run.get('status') != 'done' or run.get('step') != steps:
+    return None
+  if trained_step(workdir) != steps or _checkpoint_step(workdir / 'checkpoints' / 'best') is None:
+    return None
+  return run
+
+
+def _check_resumable(workdir: Path, config) -> dict | None:
+  """The meta of `workdir`'s latest checkpoint (None for a fresh run); a ValueError when it is
+  trained past `train.steps`, a CheckpointError when its model config differs. Writes
+  nothing, so a refused rerun leaves the run as it was."""
+  step = trained_step(workdir)
+  if step is None:
+    return None
+  steps = int(config.train.steps)
+  if step > steps:
+    raise ValueError(f'{workdir} is already trained to step {step}, more than --steps={steps} '
+                     f'(train.steps): rerun with --steps={step} or more to resume it, or use a '
+                     'new --workdir')
+  latest = checkpointing.Checkpointer(workdir / 'checkpoints' / 'latest', create=False)
+  saved = latest.restore_meta()
+  saved_model = (saved.get('config') or {}).get('model')
+  diff = model_config_diff(saved_model, config.to_dict().get('model'))
+  if diff:  # refuse: resuming would crash on shapes or silently mix two models
+    raise checkpointing.CheckpointError(
+        f'{workdir} holds a run with a different model config (checkpoint '
+        f'{latest.directory} step {step}; '
+        f'{_config_diff_text(saved_model, config.to_dict().get("model"), diff)}): '
+        'use a new --workdir, or the model config of that run to resume it')
+  return saved
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
                        task: Task = IKGAT_TASK, log: Callable[[str], None] = print,
                        mesh: Mesh | None = None) -> dict:
   """Trains `task` on `config.data` split 'train', validating on 'val' if present.
 
-  Rerunning with the same `workdir` resumes from `checkpoints/latest`, on any mesh. `mesh`
+  Rerunning with the same `workdir` resumes from `checkpoints/latest`, on any mesh; a run
+  already finished at `train.steps` is left untouched (one line says so, and the recorded
+  validation metrics are returned), and one trained past `train.steps`, or with another model
+  config, or a config that cannot train (`check_train_config`) is refused before anything is
+  written. `mesh`
   (default: every device of every process) shards each global batch of `config.train
   .batch_size` frames, which must divide by its device count. With several processes
   (`initialize_distributed`) each reads its own rows of every batch, all see the same `workdir`
@@ -500,10 +615,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   """
   workdir = Path(workdir)
   tc = config.train
+  check_train_config(tc)
   mesh = make_mesh() if mesh is None else mesh
   check_batch_size(tc.batch_size, mesh)
   chief = jax.process_index() == 0
   log = log if chief else (lambda msg: None)
+  saved = _check_resumable(workdir, config)  # refusals first: nothing written yet
+  done = finished_run(workdir, int(tc.steps)) if saved is not None else None
+  if done is not None:
+    log(f'already done: {workdir} is trained to step {tc.steps} (run.json); nothing to do')
+    return done.get('val') or {}
   workdir.mkdir(parents=True, exist_ok=True)
   train_data = data_lib.load_shards(config.data, 'train')
   val_data = (data_lib.load_shards(config.data, 'val')
@@ -521,16 +642,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   state = place_state(state, mesh)  # first: the abstract tree below takes this mesh's shardings
   best = checkpointing.Checkpointer(workdir / 'checkpoints' / 'best', max_to_keep=1)
   best_value = math.inf
-  if latest.latest_step() is not None:
-    saved = latest.restore_meta()
-    saved_model = (saved.get('config') or {}).get('model')
-    diff = model_config_diff(saved_model, config.to_dict().get('model'))
-    if diff:  # refuse: resuming would crash on shapes or silently mix two models
-      raise checkpointing.CheckpointError(
-          f'{workdir} holds a run with a different model config (checkpoint '
-          f'{latest.directory} step {latest.latest_step()}; '
-          f'{_config_diff_text(saved_model, config.to_dict().get("model"), diff)}): '
-          'use a new --workdir, or the model config of that run to resume it')
+  last_val: dict = {}
+  if saved is not None:
     saved_ema = ema_decay(ml_collections.ConfigDict(
         (saved.get('config') or {}).get('train') or {})) > 0
     want = saved_part(state) if saved_ema else saved_part({k: v for k, v in state.items()
@@ -549,13 +662,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
           'restored parameters')
     if best.latest_step() is not None:
       best_value = best.restore_meta()['metrics'].get(task.best_metric, math.inf)
+    if int(state['step']) >= tc.steps:  # finished, but not recorded so (killed at the end)
+      last_val = saved.get('metrics') or {}
     log(f'resumed from {latest.directory} at step {int(state["step"])}')
   manifest = {'command': provenance.command_line(), 'workdir': str(workdir.absolute()),
               'status': 'running', 'steps': int(tc.steps), 'task': task.name,
               'config': config.to_dict(), 'devices': mesh.size,
               'processes': jax.process_count()}
   if chief:
-    atomic.write_json(workdir / 'run.json', {**manifest, 'step': int(state['step'])})
+    _write_run_json(workdir, {**manifest, 'step': int(state['step'])})
     atomic.write_json(workdir / 'config.json', config.to_dict())
 
   teacher = None
@@ -568,7 +683,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   predict = make_predict(task, graphdef, config, rig, mesh)
   writer = MetricWriter(workdir, enabled=chief)
   step = int(state['step'])
-  last_val: dict = {}
 
   def run_validation(step):
     nonlocal best_value, last_val
@@ -585,10 +699,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                 checkpoint_meta(config, rig, task, data_info, last_val))
 
   def save_latest(step, status):
-    latest.save(step, saved_part(state), checkpoint_meta(config, rig, task, data_info, last_val))
+    if latest.latest_step() != step:  # a run finished but not recorded so has it already
+      latest.save(step, saved_part(state),
+                  checkpoint_meta(config, rig, task, data_info, last_val))
     if chief:
-      atomic.write_json(workdir / 'run.json', {**manifest, 'status': status, 'step': step,
-                                               'val': last_val, 'best_value': best_value})
+      _write_run_json(workdir, {**manifest, 'status': status, 'step': step, 'val': last_val,
+                                'best_value': best_value})
 
   log(f'training {task.name} on {len(train_data)} frames ({rig.name}, {rig.num_joints} joints), '
       f'{tc.steps} steps of batch {tc.batch_size} on {mesh.size} device(s), '
@@ -626,7 +742,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     if _is_deleted(state):  # a second Ctrl-C inside a step that had donated the state
       saved_step = latest.latest_step()
       if chief:  # the manifest must not keep saying 'running'
-        atomic.write_json(workdir / 'run.json', {
+        _write_run_json(workdir, {
             **manifest, 'status': 'interrupted', 'step': saved_step, 'val': last_val,
             'best_value': best_value})
       log(f'interrupted inside step {step}; the last saved checkpoint (step {saved_step}) '
@@ -641,7 +757,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     pipeline.close()
   save_latest(step, 'done')
   writer.close()
-  if val_data is None:
+  if val_data is None and best.latest_step() != step:
     best.save(step, saved_part(evaluated_part(state), ('params', 'rest')),
               checkpoint_meta(config, rig, task, data_info, {}))
   log(f'done: step {step}' + (f', val {task.best_metric} {last_val[task.best_metric]:.3f} '

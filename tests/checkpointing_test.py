@@ -238,8 +238,10 @@ def test_resume_names_every_differing_key(run_copy, cmu_shards, tiny_config):
 def test_resume_from_a_truncated_checkpoint_is_refused(run_copy, cmu_shards, tiny_config):
   latest = run_copy / 'checkpoints' / 'latest'
   _truncate_largest_array_file(_step_dir(latest))
+  config = tiny_config(cmu_shards)
+  config.train.steps += 10  # resumed (a rerun of the finished run has nothing to restore)
   with pytest.raises(checkpointing.CheckpointError) as e:
-    train.train_and_evaluate(tiny_config(cmu_shards), run_copy, log=lambda m: None)
+    train.train_and_evaluate(config, run_copy, log=lambda m: None)
   assert 'truncated' in _assert_refused(e, latest)
 
 

@@ -1,0 +1,153 @@
+"""Rerunning a training: a finished run is left as it is, a lower --steps than a run was trained
+to is refused without a trace, a config that cannot train is refused before anything is
+written, run.json is strict JSON, and the mains run from any working directory."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ik_gat_jax import checkpointing, inference, train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _quiet(msg):
+  del msg
+
+
+def _snapshot(workdir: Path) -> dict:
+  """Every file under `workdir`: its bytes' hash and modification time."""
+  return {str(p.relative_to(workdir)): (hashlib.sha256(p.read_bytes()).hexdigest(),
+                                        p.stat().st_mtime_ns)
+          for p in sorted(workdir.rglob('*')) if p.is_file()}
+
+
+def _strict_json(text: str):
+  """json.loads as a strict parser (Node's JSON.parse): no Infinity or NaN."""
+  def refuse(name):
+    raise ValueError(f'not JSON: {name}')
+  return json.loads(text, parse_constant=refuse)
+
+
+@pytest.fixture
+def finished(tiny_ikgat_run, tmp_path):
+  """A copy of the session's tiny run, finished at step 20 (make_tiny_config's)."""
+  return Path(shutil.copytree(tiny_ikgat_run, tmp_path / 'run'))
+
+
+def test_rerun_of_a_finished_run_changes_nothing(cmu_shards, tiny_config, finished):
+  before = _snapshot(finished)
+  lines = []
+  val = train.train_and_evaluate(tiny_config(cmu_shards), finished, log=lines.append)
+  assert lines == [f'already done: {finished} is trained to step 20 (run.json); nothing to do']
+  assert val == _strict_json((finished / 'run.json').read_text())['val']
+  assert 'local_rot_err_deg' in val
+  assert _snapshot(finished) == before
+
+
+def test_fewer_steps_are_refused_and_the_run_still_finishes(cmu_shards, tiny_config, finished):
+  """A lower --steps than the run was trained to is refused in one line, touching nothing; a
+  workdir that an older version left after such a rerun (run.json 'running' for the lower
+  steps, latest at 20) finishes with the original command, without training or an error."""
+  before = _snapshot(finished)
+  with pytest.raises(ValueError, match=r'already trained to step 20, more than --steps=10 '
+                     r'\(train.steps\): rerun with --steps=20 or more'):
+    train.train_and_evaluate(tiny_config(cmu_shards, train=dict(steps=10)), finished, log=_quiet)
+  assert _snapshot(finished) == before
+  run = json.loads((finished / 'run.json').read_text())
+  run.update(status='running', steps=10)
+  (finished / 'run.json').write_text(json.dumps(run))
+  lines = []
+  train.train_and_evaluate(tiny_config(cmu_shards), finished, log=lines.append)
+  assert not any(m.startswith('step ') for m in lines), lines
+  run = _strict_json((finished / 'run.json').read_text())
+  assert (run['status'], run['step'], run['steps']) == ('done', 20, 20)
+  assert 'local_rot_err_deg' in run['val'] and run['best_value'] is not None
+  latest = checkpointing.Checkpointer(finished / 'checkpoints' / 'latest', create=False)
+  assert latest.all_steps() == [20]
+
+
+@pytest.mark.parametrize('field, value, what', [
+    ('steps', 0, 'a positive integer'), ('steps', -5, 'a positive integer'),
+    ('batch_size', 0, 'a positive integer'), ('lr', -1e-3, 'a positive number'),
+    ('lr', 0.0, 'a positive number'), ('warmup_steps', -1, 'an integer >= 0'),
+    ('checkpoint_every', 0, 'a positive integer'), ('weight_decay', -0.1, 'a number >= 0')])
+def test_configs_that_cannot_train_are_refused_before_anything_is_written(
+    cmu_shards, tiny_config, tmp_path, field, value, what):
+  c = tiny_config(cmu_shards, train={field: value})
+  with pytest.raises(ValueError, match=rf'^train\.{field} must be {what}, got {value}$'):
+    train.train_and_evaluate(c, tmp_path / 'w', log=_quiet)
+  assert not (tmp_path / 'w').exists()
+
+
+@pytest.fixture(scope='module')
+def train_only_shards(cmu_dir, tmp_path_factory):
+  """09_03 (a short file) as the only split, 'train': no validation."""
+  from data_prep import conversion
+  out = tmp_path_factory.mktemp('train_only')
+  conversion.convert(cmu_dir / '09_03.bvh', 'cmu_body', out, split='train', log=_quiet)
+  return out
+
+
+def test_run_json_is_strict_json_without_a_val_split(train_only_shards, tiny_config, tmp_path):
+  """No validation: best_value is null (not Infinity, which strict parsers refuse), read back as
+  None, also from a run.json an older version wrote with Infinity; the rerun is a no-op."""
+  c = tiny_config(train_only_shards, train=dict(steps=2, log_every=1, eval_every=100,
+                                                checkpoint_every=100))
+  workdir = tmp_path / 'w'
+  assert train.train_and_evaluate(c, workdir, log=_quiet) == {}
+  run = _strict_json((workdir / 'run.json').read_text())
+  assert run['status'] == 'done' and run['best_value'] is None and run['val'] == {}
+  assert train.read_run(workdir)['best_value'] is None
+  inference.load_model(workdir)  # the best checkpoint of a run without validation
+  lines = []
+  assert train.train_and_evaluate(c, workdir, log=lines.append) == {}
+  assert len(lines) == 1 and lines[0].startswith('already done'), lines
+  (workdir / 'run.json').write_text(json.dumps({**run, 'best_value': float('inf')}))
+  assert 'Infinity' in (workdir / 'run.json').read_text()
+  assert train.read_run(workdir)['best_value'] is None
+
+
+def test_mains_run_from_any_directory_and_answer_reruns_in_one_line(cmu_shards, finished,
+                                                                    tmp_path):
+  """From another working directory (the default --config resolves beside the package):
+  --steps=-5 and --steps=0 are refused in one line with status 2 and nothing written; a
+  finished run rerun says so in one line and exits 0; a lower --steps is refused in one line."""
+  elsewhere = tmp_path / 'elsewhere'
+  elsewhere.mkdir()
+  lower = Path(shutil.copytree(finished, tmp_path / 'lower'))
+  test_config = f'--config={REPO / "experiments" / "configs" / "test.py"}'
+  data = f'--data={cmu_shards}'
+  runs = {
+      'negative': (['experiments.train', data, f'--workdir={tmp_path / "a"}', '--steps=-5'],
+                   2, 'error: --steps must be a positive number of steps, got -5'),
+      'prior_zero': (['experiments.train_prior', data, f'--workdir={tmp_path / "b"}',
+                      '--steps=0'], 2, 'error: --steps must be a positive number of steps, got 0'),
+      'done': (['experiments.train', data, f'--workdir={finished}', test_config], 0,
+               f'already done: {finished} is trained to step 20 (run.json); nothing to do'),
+      'lower': (['experiments.train', data, f'--workdir={lower}', test_config, '--steps=10'], 2,
+                f'error: {lower} is already trained to step 20, more than --steps=10'),
+  }
+  env = {**os.environ, 'PYTHONUNBUFFERED': '1'}
+  before = {'done': _snapshot(finished), 'lower': _snapshot(lower)}
+  procs = {k: subprocess.Popen([sys.executable, '-m', *args], cwd=elsewhere, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+           for k, (args, _, _) in runs.items()}
+  for k, p in procs.items():
+    try:
+      out, err = p.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+      p.kill()
+      pytest.fail(f'{k}: no answer within 240 s')
+    _, rc, line = runs[k]
+    assert p.returncode == rc, (k, out[-2000:], err[-2000:])
+    said = [x for x in (out if rc == 0 else err).splitlines() if x.strip()]
+    assert len(said) == 1 and said[0].startswith(line), (k, said)
+  assert not (tmp_path / 'a').exists() and not (tmp_path / 'b').exists()
+  assert _snapshot(finished) == before['done'] and _snapshot(lower) == before['lower']
