@@ -18,7 +18,11 @@ it stopped; the trainer resumes a half-finished run from its latest checkpoint):
               when there is neither) -> WORKDIR/eval/METHOD.json, table.md
   5 export    the IK-GAT best checkpoint with its card -> --export (default WORKDIR/checkpoint)
 WORKDIR/train_rig.json records the options and every stage's status; a line is printed when a
-stage starts, finishes or is skipped.
+stage starts, finishes or is skipped. A rerun with other training options (--size, --config.*,
+--prior_config.*) than a trained run was made with, or a lower --steps / --prior_steps than it
+was trained to, is refused in one line naming them (train_rig.json left as it was); a higher
+--steps or --prior_steps trains further. A stage that a killed run left 'running' is said so
+and resumed; SIGTERM stops the command as Ctrl-C does (the stage recorded 'interrupted').
 
 --split=auto: the joint map's committed split when --rig names one that has it; otherwise
 derived (`derive_split`): with 3 or more subjects, whole subjects are held out (subjects sorted
@@ -45,10 +49,14 @@ Solve your rig's clips afterwards with the command the card prints, e.g.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -157,6 +165,7 @@ class Manifest:
     self.path = workdir / MANIFEST
     old = json.loads(self.path.read_text()) if self.path.is_file() else {}
     self.stages = old.get('stages', {})
+    self.recorded_configs = old.get('configs', {})  # what the trained runs were made with
     self.doc = {'command': provenance.command_line(), 'workdir': str(workdir.absolute()),
                 'options': options, 'stages': self.stages}
     for s in STAGES:
@@ -212,8 +221,10 @@ def _best(workdir: Path, task: str) -> dict:
 # Stages.
 
 
-def _convert(o: Options, w: Path, m: Manifest, log: Log, tag: str) -> dict:
-  shards, split_json = w / 'shards', w / 'split.json'
+def _conversion(o: Options, w: Path, m: Manifest) -> tuple[list, dict]:
+  """(files as [(name, sha256)], the convert stage's key); refuses, writing nothing, a workdir
+  whose shards were converted from other files or with other conversion options."""
+  shards = w / 'shards'
   inputs = conversion.find_bvh_files(o.bvh)
   files = [(f, provenance.file_sha256(p)) for f, p in inputs]
   key = {'files': _digest(files), 'rig': o.rig, 'units': o.units,
@@ -234,6 +245,13 @@ def _convert(o: Options, w: Path, m: Manifest, log: Log, tag: str) -> dict:
       was = ', '.join(f'--{k}={old.get(k)}' for k in key if k != 'files' and old.get(k) != key[k])
       raise ValueError(f'{shards} was converted with {was}: rerun with that, or use a new '
                        '--workdir')
+  return files, key
+
+
+def _convert(o: Options, w: Path, m: Manifest, log: Log, tag: str, files: list,
+             key: dict) -> dict:
+  shards, split_json = w / 'shards', w / 'split.json'
+  if (shards / 'summary.json').is_file():  # from these files with these options (_conversion)
     summary = json.loads((shards / 'summary.json').read_text())
     log(f'{tag} convert: already done ({shards}: {summary["total_files"]} files, '
         f'{summary["total_frames"]} frames), skipped')
@@ -442,13 +460,15 @@ def _export(o: Options, w: Path, m: Manifest, summary: dict, results: dict, log:
 
 def configs(o: Options, shards: Path):
   """(IK-GAT config, prior config) for `o` on `shards`."""
-  c = o.config if o.config is not None else default_config.get_config()
+  # Copies: `o` is left as it was, so this gives the same configs each time it is called.
+  c = copy.deepcopy(o.config) if o.config is not None else default_config.get_config()
   c.data = str(shards)
   if o.size is not None:
     c.model.size = o.size
   if o.steps is not None:
     c.train.steps = o.steps
-  p = o.prior_config if o.prior_config is not None else prior_config.get_config()
+  p = (copy.deepcopy(o.prior_config) if o.prior_config is not None
+       else prior_config.get_config())
   p.data = str(shards)
   if o.prior_steps is not None:
     p.train.steps = o.prior_steps
@@ -475,6 +495,53 @@ def _mirror_off_where_asymmetric(c, p, shards: Path, log: Log, tag: str) -> None
           'files start in a T-pose, --reference_pose=first_frame gives it its natural pose')
 
 
+def _flat(d: dict, prefix: str = '') -> dict:
+  """{'a': {'b': 1}} -> {'a.b': 1}."""
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f'{prefix}{k}.'))
+    else:
+      out[f'{prefix}{k}'] = v
+  return out
+
+
+def _option(stage: str, key: str) -> str:
+  """The command-line option that sets `key` of a stage's config."""
+  if stage == 'ikgat':
+    return '--size' if key == 'model.size' else f'--config.{key}'
+  return f'--prior_config.{key}'
+
+
+def _check_training_options(o: Options, w: Path, m: Manifest) -> None:
+  """Refuses, in one line and before anything is written, a rerun that would not continue the
+  trained runs as they were made: a lower --steps / --prior_steps than a run is trained to, or
+  a config (--size, --config.*, --prior_config.*) that differs from the one train_rig.json
+  records for a run that has trained (its step count apart: a higher one trains further)."""
+  shards = w / 'shards'
+  if not (shards / 'rig.json').is_file():  # nothing trained without shards
+    return
+  c, p = configs(o, shards)
+  _mirror_off_where_asymmetric(c, p, shards, lambda msg: None, '')  # as the stages will
+  was = []
+  for stage, cfg, steps_flag in (('ikgat', c, '--steps'), ('prior', p, '--prior_steps')):
+    step = train.trained_step(w / stage)
+    if step is None:
+      continue
+    if step > cfg.train.steps:
+      raise ValueError(f'{w / stage} is already trained to step {step}, more than '
+                       f'{steps_flag}={cfg.train.steps}: rerun with {steps_flag}={step} or '
+                       'more, or use a new --workdir')
+    old = _flat(m.recorded_configs.get(stage) or {})
+    new = _flat(json.loads(json.dumps(cfg.to_dict())))
+    was += [f'{_option(stage, k)}={old[k]}' for k in sorted(set(old) & set(new))
+            if k not in ('data', 'train.steps') and old[k] != new[k]]
+  if was:
+    more = f' (+{len(was) - 6} more)' if len(was) > 6 else ''
+    raise ValueError(f'{w} was trained with {", ".join(was[:6])}{more}: rerun with that, or '
+                     'use a new --workdir')
+
+
 def run(o: Options, log: Log = _print) -> dict:
   """Runs (or continues) every stage for `o`; returns the manifest (WORKDIR/train_rig.json)."""
   w = Path(o.workdir)
@@ -488,20 +555,32 @@ def run(o: Options, log: Log = _print) -> dict:
                      'exported from Blender)')
   if o.up is not None:
     retarget.world_rotation(o.up, o.forward, (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))  # checks them
+  for flag, value in (('--steps', o.steps), ('--prior_steps', o.prior_steps)):
+    if value is not None and value < 1:
+      raise ValueError(f'{flag} must be a positive number of steps, got {value}')
+  c, p = configs(o, w / 'shards')
+  train.check_train_config(c.train, '--config.train')
+  train.check_train_config(p.train, '--prior_config.train')
   w.mkdir(parents=True, exist_ok=True)
   shown = {k: v for k, v in dataclasses.asdict(o).items() if k not in ('config', 'prior_config')}
   m = Manifest(w, shown)
+  stale = [s for s in STAGES if m.stages[s].get('status') == 'running']
+  if stale:
+    log(f'train_rig: {m.path} says {", ".join(stale)} {"was" if len(stale) == 1 else "were"} '
+        'running when its last run stopped (killed?): resuming')
   try:
-    return _run_stages(o, w, m, log)
+    files, key = _conversion(o, w, m)
+    _check_training_options(o, w, m)
+    return _run_stages(o, w, m, log, files, key)
   except BaseException as e:
     m.failed(e)
     raise
 
 
-def _run_stages(o: Options, w: Path, m: Manifest, log: Log) -> dict:
+def _run_stages(o: Options, w: Path, m: Manifest, log: Log, files: list, key: dict) -> dict:
   tag = lambda i: f'[{i}/{len(STAGES)}]'  # noqa: E731
   t0 = time.perf_counter()
-  summary = _convert(o, w, m, log, tag(1))
+  summary = _convert(o, w, m, log, tag(1), files, key)
   c, p = configs(o, w / 'shards')
   _mirror_off_where_asymmetric(c, p, w / 'shards', log, tag(2))
   m.doc['configs'] = {'ikgat': c.to_dict(), 'prior': p.to_dict()}
@@ -570,6 +649,26 @@ def define_flags() -> None:
                                   lock_config=False)
 
 
+@contextlib.contextmanager
+def terminate_as_interrupt():
+  """SIGTERM raises KeyboardInterrupt, as Ctrl-C does, while the block runs (main thread only),
+  so a stage it stops is recorded 'interrupted', not left 'running'; while a trainer runs, its
+  own handler (train.GracefulStop) saves a checkpoint first."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def interrupt(signum, frame):
+    del signum, frame
+    raise KeyboardInterrupt
+
+  old = signal.signal(signal.SIGTERM, interrupt)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, old)
+
+
 @fail_on_user_error
 def main(argv):
   if len(argv) > 1:
@@ -586,7 +685,8 @@ def main(argv):
               iters=F.iters, acknowledgment=F.acknowledgment, config=F.config,
               prior_config=F.prior_config)
   try:
-    run(o)
+    with terminate_as_interrupt():
+      run(o)
   except KeyboardInterrupt:
     print('interrupted; rerun the same command to continue', file=sys.stderr)
     sys.exit(130)

@@ -252,3 +252,81 @@ def test_mirror_augmentation_off_for_a_rig_that_is_not_mirror_symmetric(tmp_path
       assert '--reference_pose=first_frame' in said[0]
       with pytest.raises(ValueError, match='not mirror-symmetric'):
         input_pipeline.check_mirror(rig)  # what the training would have raised
+
+
+def test_changed_training_options_are_refused_and_the_record_kept(rig_run):
+  """A finished run rerun with other training options, or fewer steps than it was trained to,
+  is refused in one line naming them, and train_rig.json stays as it was (it must describe the
+  trained models); steps or a batch size that cannot train are refused the same way."""
+  import copy
+  options, _, _ = rig_run
+  record = Path(options.workdir) / train_rig.MANIFEST
+  before = record.read_bytes()
+  c, p = copy.deepcopy(options.config), copy.deepcopy(options.prior_config)
+  c.train.lr, p.model.latent = 5e-3, 16
+  zero_batch = copy.deepcopy(options.config)
+  zero_batch.train.batch_size = 0
+  for change, match in (
+      (dict(size='small', config=c, prior_config=p),
+       r'was trained with --size=tiny, --config\.train\.lr=0\.001, '
+       r'--prior_config\.model\.latent=8: rerun with that, or use a new --workdir$'),
+      (dict(steps=10), r'ikgat is already trained to step 20, more than --steps=10: rerun '
+                       r'with --steps=20 or more'),
+      (dict(prior_steps=10), r'prior is already trained to step 20, more than '
+                             r'--prior_steps=10'),
+      (dict(steps=0), r'^--steps must be a positive number of steps, got 0$'),
+      (dict(config=zero_batch), r'^--config\.train\.batch_size must be a positive integer, '
+                                r'got 0$')):
+    lines = []
+    with pytest.raises(ValueError, match=match):
+      train_rig.run(dataclasses.replace(options, **change), log=lines.append)
+    assert not any('already done' in ln for ln in lines), (change, lines)
+    assert record.read_bytes() == before, change
+
+
+def test_a_stage_left_running_by_a_killed_run_is_said_and_resumed(rig_run):
+  """SIGKILL leaves a stage 'running' in train_rig.json: the next run says so and goes on."""
+  options, _, _ = rig_run
+  record = Path(options.workdir) / train_rig.MANIFEST
+  doc = json.loads(record.read_text())
+  doc['stages']['convert']['status'] = 'running'
+  record.write_text(json.dumps(doc))
+  lines = []
+  manifest = train_rig.run(options, log=lines.append)
+  assert lines[0] == (f'train_rig: {record} says convert was running when its last run stopped '
+                      '(killed?): resuming'), lines
+  assert all(manifest['stages'][s]['status'] == 'done' for s in train_rig.STAGES)
+
+
+def test_sigterm_during_convert_is_recorded_as_interrupted(tmp_path, cmu_dir):
+  import signal
+  (tmp_path / 'bvh').mkdir()
+  (tmp_path / 'bvh' / '09_03.bvh').symlink_to(cmu_dir / '09_03.bvh')
+  o = train_rig.Options(bvh=str(tmp_path / 'bvh'), workdir=str(tmp_path / 'w'))
+
+  def terminate_once_converting(msg):
+    if 'convert: split' in msg:  # logged once the stage is recorded 'running'
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  with pytest.raises(KeyboardInterrupt):
+    with train_rig.terminate_as_interrupt():
+      train_rig.run(o, log=terminate_once_converting)
+  stage = json.loads((tmp_path / 'w' / train_rig.MANIFEST).read_text())['stages']['convert']
+  assert stage['status'] == 'interrupted'
+
+
+def test_higher_steps_train_further_and_redo_only_what_depends_on_them(rig_run, tmp_path):
+  import shutil
+  options, _, _ = rig_run
+  work = shutil.copytree(options.workdir, tmp_path / 'work', symlinks=True)
+  lines = []
+  manifest = train_rig.run(dataclasses.replace(options, workdir=str(work), steps=25),
+                           log=lines.append)
+  assert any(ln.startswith('[2/5] ikgat: training 25 steps') for ln in lines), lines
+  assert json.loads((work / 'ikgat' / 'run.json').read_text())['step'] == 25
+  assert any(ln.startswith('[3/5] prior: already done') for ln in lines), lines
+  redone = [m for m in train_rig.EVAL_METHODS if any(
+      ln.startswith(f'[4/5] evaluate: {m}: local') for ln in lines)]
+  assert redone == ['ikgat', 'ikgat_calibrated'], lines
+  assert all(manifest['stages'][s]['status'] == 'done' for s in train_rig.STAGES)
+  assert manifest['configs']['ikgat']['train']['steps'] == 25
