@@ -74,6 +74,7 @@ from ik_gat_jax import checkpointing, data, evaluation, inference, iterative_ik,
 from ik_gat_jax import input_pipeline, provenance, skeleton, train, vposer
 from ik_gat_jax import solver as solver_lib
 from ik_gat_jax.io import atomic, retarget
+from ik_gat_jax.io.units import parse_units
 
 CONFIG_DIR = Path(__file__).resolve().parent / 'configs'
 STAGES = ('convert', 'ikgat', 'prior', 'evaluate', 'export')
@@ -242,7 +243,8 @@ def _conversion(o: Options, w: Path, m: Manifest) -> tuple[list, dict]:
                        '--workdir')
     old = m.key('convert')
     if old not in (None, key):
-      was = ', '.join(f'--{k}={old.get(k)}' for k in key if k != 'files' and old.get(k) != key[k])
+      was = ', '.join(f'--{k}={old.get(k)}' if old.get(k) is not None else f'no --{k}'
+                      for k in key if k != 'files' and old.get(k) != key[k])
       raise ValueError(f'{shards} was converted with {was}: rerun with that, or use a new '
                        '--workdir')
   return files, key
@@ -272,8 +274,11 @@ def _convert(o: Options, w: Path, m: Manifest, log: Log, tag: str, files: list,
       atomic.write_json(split_json, doc)
       split_file, rule = str(split_json.absolute()), doc['rule']
       counts = {s: sum(e['split'] == s for e in doc['files']) for s in ('train', 'val', 'test')}
+      subjects = sorted({e['subject'] for e in doc['files']})
       log(f'{tag} convert: split {doc["name"]} ({rule}): '
-          + ', '.join(f'{n} {s}' for s, n in counts.items()) + f' files -> {split_json}')
+          + ', '.join(f'{n} {s}' for s, n in counts.items()) + f' files -> {split_json}; '
+          f'{len(subjects)} subject(s) by file name (--subject_regex): '
+          + ', '.join(subjects[:8]) + (' ...' if len(subjects) > 8 else ''))
   units = o.units
   if isinstance(units, str) and units.strip().lower() == 'auto' and o.rig != 'auto':
     units = None  # the joint map's own
@@ -489,10 +494,13 @@ def _mirror_off_where_asymmetric(c, p, shards: Path, log: Log, tag: str) -> None
     for cfg in (c, p):
       cfg.augment.mirror = 0.0
     if turned:
+      way_out = ('the pose named as its reference is not a mirror-symmetric one: a joint map\'s '
+                 'reference_pose can name the T-pose in channel values'
+                 if rig.has_reference_pose else 'if the files start in a T-pose, '
+                 '--reference_pose=first_frame gives it its natural pose')
       log(f'{tag} mirror augmentation off ({" and ".join(turned)}): rig {rig.name} is not '
           f'mirror-symmetric in its {"reference" if rig.has_reference_pose else "zero"} pose '
-          f'(the {joint} bone {angle:.0f} degrees from its partner\'s mirror image); if the '
-          'files start in a T-pose, --reference_pose=first_frame gives it its natural pose')
+          f'(the {joint} bone {angle:.0f} degrees from its partner\'s mirror image); {way_out}')
 
 
 def _flat(d: dict, prefix: str = '') -> dict:
@@ -558,6 +566,15 @@ def run(o: Options, log: Log = _print) -> dict:
   for flag, value in (('--steps', o.steps), ('--prior_steps', o.prior_steps)):
     if value is not None and value < 1:
       raise ValueError(f'{flag} must be a positive number of steps, got {value}')
+  # Refused before the workdir is made: the files, the units, the split rule.
+  conversion.find_bvh_files(o.bvh)
+  if not (isinstance(o.units, str) and o.units.strip().lower() == 'auto'):
+    parse_units(o.units)
+  if o.split.endswith('.json'):
+    if not Path(o.split).is_file():
+      raise FileNotFoundError(f'--split {o.split} does not exist')
+  elif o.split not in SPLIT_RULES:
+    raise ValueError(f'--split must be auto, subject, file or a split JSON, got {o.split!r}')
   c, p = configs(o, w / 'shards')
   train.check_train_config(c.train, '--config.train')
   train.check_train_config(p.train, '--prior_config.train')

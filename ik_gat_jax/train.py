@@ -684,10 +684,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   writer = MetricWriter(workdir, enabled=chief)
   step = int(state['step'])
 
+  val_step = None  # the step `last_val` was measured at (the log line names it)
+
   def run_validation(step):
-    nonlocal best_value, last_val
+    nonlocal best_value, last_val, val_step
     if val_data is None:
       return
+    val_step = step
     t = time.time()
     last_val = task.validate(sharded_predict(predict, evaluated_part(state), mesh), val_data,
                              config, rig)
@@ -727,6 +730,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         vals = progress.report(m, tc.batch_size)
         writer.write(step, 'train', vals)
         val_txt = (f' | val {task.best_metric} {last_val[task.best_metric]:.2f}'
+                   f'{f" (step {val_step})" if val_step not in (None, step) else ""}'
                    if last_val else '')
         log(f'step {step}/{tc.steps} loss {vals["loss"]:.4f}{val_txt} | '
             f'{vals["frames_per_s"]:,.0f} frames/s, pipeline '

@@ -216,11 +216,24 @@ def test_bad_input_is_one_line(tmp_path):
 def test_a_failed_stage_is_recorded(tmp_path, cmu_dir):
   (tmp_path / 'bvh').mkdir()
   (tmp_path / 'bvh' / '09_03.bvh').symlink_to(cmu_dir / '09_03.bvh')
-  o = train_rig.Options(bvh=str(tmp_path / 'bvh'), workdir=str(tmp_path / 'w'), units='furlong')
-  with pytest.raises(ValueError, match='--units'):
+  # Bad options are refused before the workdir is made.
+  for bad, match in ((dict(units='furlong'), '--units'), (dict(split='foo'), '--split'),
+                     (dict(bvh=str(tmp_path)), 'no .bvh files')):
+    o = train_rig.Options(**{'bvh': str(tmp_path / 'bvh'), 'workdir': str(tmp_path / 'w'),
+                             **bad})
+    if 'bvh' in bad:
+      o = dataclasses.replace(o, bvh=str(tmp_path / 'empty'))
+      (tmp_path / 'empty').mkdir()
+    with pytest.raises(ValueError, match=match):
+      train_rig.run(o, log=lambda m: None)
+    assert not (tmp_path / 'w').exists()
+  # A stage that fails (here: a file cut short) is recorded so.
+  (tmp_path / 'bvh' / 'cut.bvh').write_text('HIERARCHY\nROOT Hips\n{\n')
+  o = train_rig.Options(bvh=str(tmp_path / 'bvh'), workdir=str(tmp_path / 'w'))
+  with pytest.raises(ValueError, match='cut.bvh:3: unbalanced braces'):
     train_rig.run(o, log=lambda m: None)
   stage = json.loads((tmp_path / 'w' / 'train_rig.json').read_text())['stages']['convert']
-  assert stage['status'] == 'failed' and '--units' in stage['error']
+  assert stage['status'] == 'failed' and 'cut.bvh:3: unbalanced braces' in stage['error']
   assert not (tmp_path / 'w' / 'shards').exists()
 
 
