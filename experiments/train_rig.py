@@ -656,7 +656,8 @@ def define_flags() -> None:
   flags.DEFINE_integer('prior_steps', None, 'Prior training steps (default: the config\'s, '
                        '3000).')
   s('export', None, 'Exported checkpoint directory (default WORKDIR/checkpoint).')
-  flags.DEFINE_integer('eval_frames', None, 'Evaluate at most this many frames (default all).')
+  flags.DEFINE_integer('eval_frames', None, 'Evaluate about this many frames (default all): '
+                       'each file its share, rounded up (evaluation.select_frames).')
   flags.DEFINE_integer('iters', 100, 'Iterations per frame of the iterative solver.')
   s('acknowledgment', None, 'Your data\'s acknowledgment, for the card.')
   config_flags.DEFINE_config_file('config', str(CONFIG_DIR / 'default.py'),
