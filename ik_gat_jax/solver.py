@@ -273,6 +273,54 @@ def check_finite(arr: np.ndarray, rig: Rig, what: str = 'positions') -> None:
                      'them from earlier frames (hold_missing=True, --hold_missing)')
 
 
+_ORIGIN_GRID_M = 64.0  # `near_origin` moves frames by multiples of this
+
+
+_MAX_ABS_M = 1e7  # positions this far from the origin (metres) are refused: wrong units
+
+
+def check_extent(arr: np.ndarray) -> None:
+  """Refuses positions `[T, J, 3]` (metres, rig axes) with a finite coordinate of
+  `_MAX_ABS_M` or more (10,000 km; NaN and inf are missing joints, judged elsewhere): beyond
+  float32's reach in the network and in the outputs, and no body is there (a units or a
+  sensor fault)."""
+  if arr.size <= _PY_SUM_UNTIL:  # a live frame: Python floats first, as `all_finite`
+    vals = arr.ravel().tolist()
+    if max(vals) < _MAX_ABS_M and min(vals) > -_MAX_ABS_M:
+      return
+  with np.errstate(invalid='ignore'):
+    far = (np.isfinite(arr) & (np.abs(arr) >= _MAX_ABS_M)).any(-1)
+  if far.any():
+    t, j = (int(i[0]) for i in np.nonzero(far))
+    raise InputError(f'positions reach {_MAX_ABS_M:g} m or more from the origin (frame {t}, '
+                     f'joint {j}: {arr[t, j].tolist()}): wrong units (--units) or a sensor '
+                     'fault?')
+
+
+def near_origin(pos: np.ndarray, sparse: dict | None = None
+                ) -> tuple[np.ndarray, dict | None, np.ndarray | None]:
+  """`pos [T, J, 3]` (metres, float64) with each frame moved by the multiple of 64 m nearest
+  its root (per axis), its sparse inputs' end sites with it -> (pos, sparse, shift `[T, 1, 3]`
+  or None when no frame moved). The network is translation-invariant but float32: a body 10 km
+  from the origin would keep 1 mm of its coordinates and its rotations would be off by up to
+  1.4 degrees, so it sees every frame within 32 m of the origin, in float64 first. Frames whose
+  root is within 32 m already (or missing) are unchanged, bit for bit; add `shift` back to
+  positions the network returns."""
+  if len(pos) == 1:  # a live frame: Python floats (a numpy reduction costs the next call)
+    if not any(abs(v) >= 0.5 * _ORIGIN_GRID_M for v in pos[0, 0].tolist()):  # NaN: kept
+      return pos, sparse, None
+  elif not (np.abs(pos[:, 0]) >= 0.5 * _ORIGIN_GRID_M).any():
+    return pos, sparse, None
+  root = pos[:, :1]
+  shift = np.round(root / _ORIGIN_GRID_M) * _ORIGIN_GRID_M
+  shift = np.where(np.isfinite(shift), shift, 0.0)
+  if sparse is not None and 'end_sites' in sparse:
+    given = sparse['end_site_mask'][..., None]
+    sparse = {**sparse, 'end_sites': np.where(given, sparse['end_sites'] - shift, 0.0).astype(
+        sparse['end_sites'].dtype)}
+  return pos - shift, sparse, shift
+
+
 def hold_missing_joints(pos: np.ndarray, held: tuple | None, rig: Rig
                         ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
   """Tracker dropouts filled causally: in `pos [T, J, 3]` a joint with a NaN/inf coordinate
@@ -330,6 +378,8 @@ def length_ratio(lengths: np.ndarray, rig: Rig) -> float:
 def units_hint(ratio: float, scale: float) -> str:
   """The `--units` that would bring a length ratio to ~1, named when it is a known unit."""
   want = scale / ratio
+  if not (math.isfinite(want) and want > 0):
+    return 'pass --units=NUMBER (metres per input unit)'
   name = min(_UNIT_LABELS, key=lambda k: abs(math.log(UNITS[k] / want)))
   if abs(math.log(UNITS[name] / want)) < math.log(1.3):
     return f'looks like {_UNIT_LABELS[name]}: pass --units={name}'
@@ -1048,6 +1098,7 @@ class IKSolver:
     M = parse_input_axes(input_axes, self.rig)
     if scale != 1.0 or not np.array_equal(M, np.eye(3)):  # metres in rig axes: as they are
       arr = (arr.reshape(-1, 3) @ (scale * M.T)).reshape(arr.shape)
+    check_extent(arr)
     if self.hold_missing:
       arr, _ = hold_missing_joints(arr, None, self.rig)
     if check and all_finite(arr):
@@ -1278,6 +1329,9 @@ class IKSolver:
   def _solve_chunks(self, pos: np.ndarray, subject, full: bool, progress: bool | None,
                     sparse: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     T, J = pos.shape[:2]
+    shift = None
+    if self.window <= 1:  # a window model's history is in the clip's own coordinates
+      pos, sparse, shift = near_origin(pos, sparse)
     shapes = {'local_rot': (J, 3, 3)}
     if full:
       shapes.update(global_rot=(J, 3, 3), bone_aligned_rot=(J, 3, 3), positions_fk=(J, 3))
@@ -1304,6 +1358,8 @@ class IKSolver:
     finally:
       if pool is not None:
         pool.shutdown(cancel_futures=True)
+    if shift is not None and 'positions_fk' in out:
+      out['positions_fk'] += shift.astype(np.float32)
     return out
 
   def _chunk_plan(self, T: int) -> list[tuple[int, int, int | None]]:
@@ -1443,10 +1499,13 @@ class IKSolver:
       raise InputError(f'step takes one frame [{self.rig.num_joints}, 3], got {pos.shape[0]} '
                        f'frames {list(pos.shape)}; use solve() for a clip or solve_stream() '
                        'for batches')
+    check_extent(pos)
     if self.hold_missing:  # the stream's dropouts filled from its earlier frames
       pos, self._held = hold_missing_joints(pos, self._held, self.rig)
     self._step_pos = pos
     sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
+    if self.window <= 1:  # as a clip's frames (`near_origin`); the calibration's stays
+      pos, sparse, _ = near_origin(pos, sparse)
     if offsets is None and sparse is None and self._history is None:  # the common live frame
       if self._stream_step is None:  # one argument, one call
         return np.asarray(self._default_step()(np.asarray(pos, np.float32)))
@@ -1529,13 +1588,15 @@ class IKSolver:
     subject = self._device_subject(off)
     for item in frames:
       pos, single = check_positions(item, self.rig, allow_missing=self.hold_missing)
-      if self.hold_missing:
-        pos, self._held = hold_missing_joints(pos, self._held, self.rig)
-      if pos.shape[0] > self.block_size:
+      if pos.shape[0] > self.block_size:  # refused before it changes the stream's state
         raise InputError(f'a stream item holds {pos.shape[0]} frames, more than block_size '
                          f'{self.block_size}; use solve() for clips')
-      local = self._filter_stream(
-          self._run(pos, subject, False, self._stream_history(pos))['local_rot'])
+      check_extent(pos)
+      if self.hold_missing:
+        pos, self._held = hold_missing_joints(pos, self._held, self.rig)
+      history = self._stream_history(pos)
+      x = pos if history is not None else near_origin(pos)[0]  # as a clip's frames
+      local = self._filter_stream(self._run(x, subject, False, history)['local_rot'])
       if self.subject_calibration:  # one frame as `step` calibrates it, a batch by numpy
         cal = self._calibration_offsets(off)
         local = (self._calibrate_frame(local[0], pos[0], cal)[None] if len(pos) == 1

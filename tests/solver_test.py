@@ -710,3 +710,30 @@ def test_csv_named_columns_leave_an_index_and_a_time_out(solver, tmp_path):
   (tmp_path / 'part.csv').write_text(','.join(names[:60]) + '\n' + '1,' * 59 + '1\n')
   with pytest.raises(InputError, match=r'part.csv: header lacks columns RightToeBase_x'):
     exports.read_positions_csv(tmp_path / 'part.csv', rig)
+
+
+def test_positions_beyond_reach_are_refused_and_a_refused_stream_item_changes_nothing(
+    tmp_path_factory):
+  """Coordinates of 1e7 m or more (float32 overflowed inside the network: NaN rotations) are
+  refused in one line, by solve, step and solve_stream; a stream item refused for its length
+  leaves the held joints as they were."""
+  solver = IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory), hold_missing=True)
+  rig = solver.rig
+  pos = posed_clip(rig, solver.offsets, T=3, seed=5)
+  huge = pos.copy()
+  huge[1, 4, 2] = 1e20
+  for call in (lambda: solver.solve(huge), lambda: solver.step(huge[1]),
+               lambda: next(solver.solve_stream([huge]))):
+    with pytest.raises(InputError, match=r'1e\+07 m or more .*frame \d, joint 4'):
+      call()
+  solver.reset()
+  solver.step(pos[0])
+  held = solver._held
+  too_long = np.repeat(pos[:1], solver.block_size + 1, axis=0) + 1.0
+  with pytest.raises(InputError, match='more than block_size'):
+    next(solver.solve_stream([too_long]))
+  assert solver._held is held
+  gap = pos[1].copy()
+  gap[9] = np.nan
+  np.testing.assert_array_equal(solver.step(gap), solver.step(
+      solver_lib.hold_missing_joints(gap[None], held, rig)[0][0]))
