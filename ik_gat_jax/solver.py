@@ -228,7 +228,10 @@ def check_positions(positions, rig: Rig, allow_missing: bool = False
   """Shape and finiteness: `[T, J, 3]` or `[J, 3]` -> (`[T, J, 3]` float64, was_single_frame).
   `allow_missing`: NaN/inf joints pass (a model with joint masks reads them as missing)."""
   try:
-    arr = np.asarray(positions, dtype=np.float64)
+    arr = np.asarray(positions)
+    if arr.dtype.kind not in 'iuf':  # no strings parsed, no imaginary parts dropped
+      raise TypeError(f'positions are {arr.dtype} values, not real numbers')
+    arr = arr.astype(np.float64, copy=False)
   except (TypeError, ValueError) as e:
     raise InputError(f'positions are not a numeric array: {e}') from None
   J = rig.num_joints

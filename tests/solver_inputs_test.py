@@ -50,7 +50,10 @@ def _assert_nothing_compiled(solver):
     [['a', 'b', 'c']] * 21,
     [[0.0, 0.0, 0.0], [0.0, 0.0]],  # ragged
     {'Hips': [0.0, 0.0, 0.0]},
-], ids=['string', 'strings', 'ragged', 'dict'])
+    [['0.1', '0.2', '0.3']] * 21,  # numbers as text: not parsed
+    np.zeros((21, 3), complex),  # an imaginary part would be dropped
+    np.zeros((21, 3), bool),
+], ids=['string', 'strings', 'ragged', 'dict', 'numeric_strings', 'complex', 'bool'])
 def test_non_numeric_input(solver, bad):
   with pytest.raises(InputError, match='positions are not a numeric array'):
     solver.solve(bad)
