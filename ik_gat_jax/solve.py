@@ -16,13 +16,16 @@ in it make the rotations the file's own: `skeleton.with_reference_pose`). Output
 by extension: .bvh (the rig with the subject's offsets, animated, in the rig's joint names; for
 a BVH input in its units and, per joint, the rotation channel order of the source joint it maps
 from (ZYX for a joint without one), else centimetres and ZYX; --bvh_units=cm|m|inch|NUMBER sets
-the units), .npz (rotations, FK positions, offsets and whose: `offsets_source`), .smpl.npz
+the units; the root's OFFSET 0, the angles continuous over frames), .npz (rotations, FK
+positions, offsets and whose: `offsets_source`; `input_missing` where joints were NaN),
+.smpl.npz
 (SMPL axis-angle pose parameters `[T, 66]`, smpl22 rig only; --smpl_world=amass for AMASS's
 z-up world), .glb (glTF 2.0 binary: the rig as nodes, the motion as animation, a box body
 skinned to it; io/gltf.py),
 .fbx (the same GLB converted by headless Blender, which must be on PATH; io/blender.py).
 Every output is written to a temp file and renamed once everything succeeded; an existing output is
-refused without --overwrite; every error is one line on stderr with exit status 2. The command
+refused without --overwrite; every error is one line on stderr with exit status 2 (bones 4x
+off the template's without --units among them: `solver.units_problem`). The command
 line (`run`, not `solve_file`) keeps compiled code in a persistent cache, `~/.cache/ik_gat_jax/jax`,
 and restored checkpoints in `~/.cache/ik_gat_jax/params` (compile_cache.py;
 `IK_GAT_NO_COMPILE_CACHE=1` turns both off), so a second run skips compiling and orbax.
