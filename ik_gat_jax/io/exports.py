@@ -15,7 +15,9 @@ Readers return positions `[T, J, 3]` in the rig's joint order:
 - BVH: joint positions by FK, reduced to the rig with `io.retarget` (the file's own
   rest offsets come along). A BVH that has every rig joint by name (e.g. one this module wrote)
   is reduced by name, extra subtrees pruned, in centimetres unless `units` says otherwise; any
-  other BVH needs a joint map (`joint_map`, default: the rig's own, e.g. `cmu_body`).
+  other BVH needs a joint map (`joint_map`, default: the rig's own, e.g. `cmu_body`, taken when
+  the file has every joint it names: the file's subtrees that hold none of them are pruned too,
+  in a warning, and where the map drops the first frame, `PositionsFile.first_dropped` says so).
 
 Writers (all atomic: a temp file in the same directory, then `os.replace`; an existing file is
 refused unless `overwrite`):
@@ -23,7 +25,8 @@ refused unless `overwrite`):
   `[T, J, 3]` (metres), `offsets [J, 3]` (metres), `bone_frames [J, 3, 3]`, `joint_names`,
   `parents`, `fps`, `rig` (JSON).
 - BVH: the rig's joints (depth-first) in the rig's joint names, OFFSETs = the subject's
-  offsets, root channels `Xposition Yposition Zposition` then three rotation channels, others
+  offsets (the root's 0 0 0: its channels are its world position), angles continuous over
+  frames (`continuous_euler`), root channels `Xposition Yposition Zposition` then three rotation channels, others
   three rotation channels, per joint in `orders[j]` (intrinsic, channel order: 'ZYX' is
   `Zrotation Yrotation Xrotation`, R = Rz Ry Rx, degrees; default ZYX for every joint), End Sites
   at leaves along the leaf's rest direction (half the leaf's bone, at least 2 cm). Lengths in
