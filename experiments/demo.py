@@ -27,6 +27,8 @@ from data_prep import conversion
 from experiments.common import fail_on_user_error
 from ik_gat_jax import (bone_frames, checkpointing, data, evaluation, inference, input_pipeline,
                         iterative_ik, kinematics, plots, prior_task, rotations, skeleton, solve)
+from ik_gat_jax import solver as solver_lib
+from ik_gat_jax.io import retarget
 
 CMU_DIR = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'cmu'
 _INPUT = flags.DEFINE_string('input', None, 'A BVH clip (cmu_body joint map); default: CMU 07_05.')
@@ -41,7 +43,27 @@ def clip_dataset(bvh_path: Path, workdir: Path):
   # '07_05' names).
   conversion.convert(bvh_path, 'cmu_body', workdir, split='all', subject_regex=r'^.',
                      log=lambda m: None)
-  return data.load_shards(workdir, 'all')
+  ds = data.load_shards(workdir, 'all')
+  check_cmu_format(bvh_path, ds)
+  return ds
+
+
+def check_cmu_format(bvh_path: Path, ds) -> None:
+  """Refuses, before anything is solved, a clip the demo cannot compare: CMU's joint names in
+  other units (bones 4x off the template's) or another bind (rest bones a median 20 degrees or
+  more from the template's: its true rotations are not the model's kind). Both solve with
+  `ik_gat_jax.solve` (--units, --reference_pose)."""
+  offsets = np.asarray(ds.offsets[0], np.float64)
+  problem = solver_lib.units_problem(np.asarray(ds.positions, np.float64), ds.rig,
+                                     retarget.load_joint_map('cmu_body').units)
+  angles = solver_lib.rest_pose_angles(offsets, ds.rig)
+  median = float(np.nanmedian(angles)) if np.isfinite(angles).any() else 0.0
+  if problem is None and median < solver_lib._REST_POSE_WARN_DEG:
+    return
+  why = problem or (f'its rest bones point a median {median:.0f} degrees from the template\'s '
+                    '(another bind)')
+  raise ValueError(f'{bvh_path} is not a CMU-format BVH the demo can compare ({why}); solve it '
+                   'with python -m ik_gat_jax.solve (--units, --reference_pose)')
 
 
 def synthetic_dataset(n: int, seed: int = 0):
@@ -124,8 +146,9 @@ def print_table(rows: list[dict]) -> None:
 def main(argv):
   del argv
   out = Path(_OUT.value)
-  out.mkdir(parents=True, exist_ok=True)
   src = Path(_INPUT.value) if _INPUT.value else (CMU_DIR / '07_05.bvh')
+  if _INPUT.value and src.exists() and not src.is_file():
+    raise ValueError(f'--input {src} is not a file: the demo takes one BVH clip')
   with tempfile.TemporaryDirectory() as tmp:
     if src.exists():
       print(f'clip: {src} (true rotations from its verified conversion)')
@@ -145,6 +168,7 @@ def main(argv):
     rows, methods = compare(ds, _ITERS.value)
     print_table(rows)
     stem = src.stem if src.exists() else 'synthetic'
+    out.mkdir(parents=True, exist_ok=True)
     paths = [out / f'{stem}_ikgat.{ext}' for ext in ('bvh', 'glb')]
     for path in paths:
       solve.solve_file(solve_input, path, overwrite=True,

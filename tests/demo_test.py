@@ -32,3 +32,22 @@ def test_demo_on_a_clip_of_any_name(cmu_dir, tmp_path):
   solved = bvh.read_bvh(out / 'my walk_ikgat.bvh')
   assert solved.num_frames == 80 and round(solved.fps) == 120  # the file's own rate
   assert (out / 'my walk_ikgat.glb').read_bytes()[:4] == b'glTF'
+
+
+def test_demo_refuses_what_it_cannot_compare_before_solving(cmu_dir, tmp_path):
+  """A CMU-named clip in metres (other units) and a folder: one line, nothing solved or
+  written (it printed a table of nonsense first, then named --units, a flag it lacks)."""
+  m = bvh.read_bvh(cmu_dir / '09_05.bvh')
+  m.motion = m.motion[:11].copy()
+  k = 0.056444  # CMU's units -> metres
+  for joint in m.joints:
+    joint.offset = joint.offset * k
+  m.motion[:, :3] *= k
+  bvh.write_bvh(tmp_path / 'metres.bvh', m)
+  out = tmp_path / 'out'
+  for arg, match in ((tmp_path / 'metres.bvh', 'looks like metres'), (tmp_path, 'not a file')):
+    p = subprocess.run([sys.executable, '-m', 'experiments.demo', f'--input={arg}',
+                        f'--output_dir={out}'], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 2 and match in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
+    assert 'IK-GAT' not in p.stdout and not out.exists()
