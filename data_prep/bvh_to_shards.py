@@ -31,7 +31,9 @@ Progress per file goes to stderr; bad input exits 1 with a one-line reason and l
 as it was. Layout of DIR: ik_gat_jax/data.py.
 """
 
+import json
 import os
+from pathlib import Path
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # host-side float64 work; keep accelerators free
 
@@ -76,6 +78,11 @@ def main(argv):
   missing = [f'--{f.name}' for f in (_INPUT, _RIG, _OUTPUT) if not f.value]
   if missing:
     raise SystemExit(f'bvh_to_shards: error: {", ".join(missing)} required')
+  summary_json = Path(_OUTPUT.value) / 'summary.json'
+  try:
+    runs_before = len(json.loads(summary_json.read_text()).get('runs', []))
+  except (OSError, ValueError):
+    runs_before = 0
   try:
     summary = conversion.convert(
         _INPUT.value, _RIG.value, _OUTPUT.value, split=_SPLIT.value, fps=_FPS.value,
@@ -85,6 +92,11 @@ def main(argv):
         reference_pose=_REFERENCE_POSE.value)
   except (ConversionError, bvh.BVHError, OSError) as e:
     raise SystemExit(f'bvh_to_shards: error: {e}') from None
+  runs_after = len(summary.get('runs', []))
+  if runs_after and runs_before == runs_after:  # nothing new: the folder as it was
+    conversion.log_stderr(f'unchanged {_OUTPUT.value}: rig {summary["rig"]}, files '
+                          f'{summary["files"]}, frames {summary["frames"]} ({summary_json})')
+    return
   conversion.log_stderr(
       f'wrote {_OUTPUT.value}: rig {summary["rig"]}, {summary["fps"]:g} fps, files '
       f'{summary["files"]}, frames {summary["frames"]}, FK max error '

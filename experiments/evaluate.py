@@ -1,4 +1,4 @@
-"""Evaluate one method on a shard split (DESIGN section 9).
+r"""Evaluate one method on a shard split (DESIGN section 9).
 
   python -m experiments.evaluate --data=DIR --split=test \
       --method=ikgat|iterative|iterative_noprior|swing|mean_pose [--checkpoint=DIR] [--prior=DIR] \
@@ -86,7 +86,7 @@ _WARM = flags.DEFINE_boolean('warm_start', False, 'Warm start over windows of ea
 _NOISE = flags.DEFINE_float('noise_mm', 0.0, 'Gaussian input noise per coordinate (mm).')
 _MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate about this many frames: each '
                                    'file its share, rounded up (up to one more per file; '
-                                   'evaluation.select_frames).')
+                                   'evaluation.select_frames); 0: all.')
 _BATCH = flags.DEFINE_integer('batch_size', None, 'Frames per solver call.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Noise seed.')
 _OUTPUT = flags.DEFINE_string('output_json', None, 'Result file (written atomically); without '

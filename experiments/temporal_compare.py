@@ -42,7 +42,7 @@ _NOISE = flags.DEFINE_list('noise_mm', ['0', '10', '20', '30'], 'Input noise lev
 _ITERATIVE = flags.DEFINE_boolean('iterative', True, 'Include the iterative solver.')
 _MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate about this many frames: each '
                                    'file its share, rounded up (up to one more per file; '
-                                   'evaluation.select_frames).')
+                                   'evaluation.select_frames); 0: all.')
 _CALLS = flags.DEFINE_integer('latency_calls', 2000, 'step() calls per latency measurement.')
 _REFINE = flags.DEFINE_integer('refine_iters', 50, 'Also both IK-GAT models mirror-averaged and '
                                'refined with this many iterations and the pose prior (0: not).')

@@ -61,6 +61,8 @@ class Method:
 
 def select_frames(data, max_frames: int | None) -> np.ndarray:
   """Indices into the split (module docstring); all frames when `max_frames` is None/0."""
+  if max_frames is not None and max_frames < 0:
+    raise ValueError(f'max_frames must be a positive number of frames (0: all), got {max_frames}')
   n = len(data.positions)
   if not max_frames or max_frames >= n:
     return np.arange(n)
