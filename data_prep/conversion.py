@@ -166,7 +166,9 @@ def subject_of(file: str, regex: str | None = None) -> str:
   if regex is not None:
     m = re.search(regex, name)
     if m is None:
-      raise ConversionError(f'{file}: subject_regex {regex!r} does not match the file name')
+      raise ConversionError(f'{file}: subject_regex {regex!r} (the joint map\'s, or '
+                            '--subject_regex) does not match the file name: pass a '
+                            '--subject_regex that does (its group "subject", or 1, names it)')
     if 'subject' in m.re.groupindex:
       return m.group('subject')
     return m.group(1) if m.re.groups else m.group(0)
