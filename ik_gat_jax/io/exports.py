@@ -24,16 +24,16 @@ refused unless `overwrite`):
 - npz: `local_rot`, `global_rot`, `bone_aligned_rot [T, J, 3, 3]`, `positions_fk`, `positions`
   `[T, J, 3]` (metres), `offsets [J, 3]` (metres), `bone_frames [J, 3, 3]`, `joint_names`,
   `parents`, `fps`, `rig` (JSON).
-- BVH: the rig's joints (depth-first) in the rig's joint names, OFFSETs = the subject's
-  offsets (the root's 0 0 0: its channels are its world position), angles continuous over
-  frames (`continuous_euler`), root channels `Xposition Yposition Zposition` then three rotation channels, others
-  three rotation channels, per joint in `orders[j]` (intrinsic, channel order: 'ZYX' is
-  `Zrotation Yrotation Xrotation`, R = Rz Ry Rx, degrees; default ZYX for every joint), End Sites
-  at leaves along the leaf's rest direction (half the leaf's bone, at least 2 cm). Lengths in
-  `units` metres per file unit (a number or a `units.UNITS` name: 'cm', the default, 'm',
-  'inch', ...). `solve` passes a BVH input's own orders and units (`PositionsFile.bvh_orders`,
-  `bvh_units_m`). Blender: File > Import > BVH with Scale = metres per unit (0.01 for
-  centimetres), forward Z, up Y.
+- BVH: the rig's joints (depth-first) in the rig's joint names, OFFSETs = the subject's offsets
+  (the root's 0 0 0: its channels are its world position), angles continuous over frames
+  (`continuous_euler`), root channels `Xposition Yposition Zposition` then three rotation
+  channels, others three rotation channels, per joint in `orders[j]` (intrinsic, channel order:
+  'ZYX' is `Zrotation Yrotation Xrotation`, R = Rz Ry Rx, degrees; default ZYX for every joint),
+  End Sites at leaves along the leaf's rest direction (half the leaf's bone, at least 2 cm).
+  Lengths in `units` metres per file unit (a number or a `units.UNITS` name: 'cm', the default,
+  'm', 'inch', ...). `solve` passes a BVH input's own orders and units
+  (`PositionsFile.bvh_orders`, `bvh_units_m`). Blender: File > Import > BVH with Scale = metres
+  per unit (0.01 for centimetres), forward Z, up Y.
 - SMPL npz (rig `smpl22` only): the fields of `io.smpl.smpl_arrays` (that module's docstring):
   `poses [T, 66]` axis-angle of the 22 local rotations (root orientation first), `trans`, ...;
   in the rig's y-up world (the SMPL model's frame) by default, or AMASS's with `world='amass'`.
