@@ -58,7 +58,7 @@ def check_cmu_format(bvh_path: Path, ds) -> None:
                                      retarget.load_joint_map('cmu_body').units)
   angles = solver_lib.rest_pose_angles(offsets, ds.rig)
   median = float(np.nanmedian(angles)) if np.isfinite(angles).any() else 0.0
-  if problem is None and median < solver_lib._REST_POSE_WARN_DEG:
+  if problem is None and median < solver_lib.REST_POSE_WARN_DEG:
     return
   why = problem or (f'its rest bones point a median {median:.0f} degrees from the template\'s '
                     '(another bind)')

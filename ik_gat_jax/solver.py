@@ -140,7 +140,7 @@ _UNIT_WARN_RATIO = 4.0  # median bone length this far from the template's: likel
 # Median angle between a subject's rest bones and the rig template's above which its rest pose
 # is another one than the model's (CMU's 7 subjects: medians 0.5-1.3 deg, at most 13 deg for
 # any bone; a rig under random binds: 88 deg; BENCHMARKS.md "Another rest pose").
-_REST_POSE_WARN_DEG = 20.0
+REST_POSE_WARN_DEG = 20.0
 # ... or one bone this far (CMU's T-pose first frames named as the natural pose: 21 deg at most;
 # a walking frame: 90).
 _REST_BONE_WARN_DEG = 60.0
@@ -535,7 +535,7 @@ def rest_pose_angles(offsets: np.ndarray, rig: Rig) -> np.ndarray:
 def check_rest_pose(offsets: np.ndarray, rig: Rig) -> str | None:
   """A warning (`warnings.warn`, also returned) when the subject's rest pose, the pose of its
   zero rotations, is another one than the rig template's in the rig's natural pose: its bones
-  point a median over `_REST_POSE_WARN_DEG` from the template's (a bind of another lab's rig
+  point a median over `REST_POSE_WARN_DEG` from the template's (a bind of another lab's rig
   read with this rig's joints, and no natural pose named for it: `skeleton.with_reference_pose`),
   or one of them over `_REST_BONE_WARN_DEG` (a natural pose named for it that is not the rig's,
   e.g. `--reference_pose=first_frame` of a clip that does not start in a T-pose facing
@@ -546,7 +546,7 @@ def check_rest_pose(offsets: np.ndarray, rig: Rig) -> str | None:
   if not np.isfinite(angles).any():
     return None
   median, worst = float(np.nanmedian(angles)), int(np.nanargmax(angles))
-  if median <= _REST_POSE_WARN_DEG and angles[worst] <= _REST_BONE_WARN_DEG:
+  if median <= REST_POSE_WARN_DEG and angles[worst] <= _REST_BONE_WARN_DEG:
     return None
   named = ('in the natural pose named for it (a joint map\'s reference_pose, --reference_pose) '
            if rig.has_reference_pose else '')
