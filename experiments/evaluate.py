@@ -4,6 +4,7 @@ r"""Evaluate one method on a shard split (DESIGN section 9).
       --method=ikgat|iterative|iterative_noprior|swing|mean_pose [--checkpoint=DIR] [--prior=DIR] \
       [--iters=N] [--warm_start] [--noise_mm=S] [--max_frames=N] [--refine_iters=N] \
       [--[no]refine_prior] [--mirror] [--subject_calibration] [--offsets=template] \
+      [--size_normalization] [--subject_scale=K] \
       [--matmul_precision=float32|bfloat16] \
       [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B] \
       [--trackers=full|6|10|A,B,C] [--joint_dropout=P] [--orientations=A,B,C] [--end_sites] \
@@ -25,7 +26,10 @@ method's output causally per file (temporal.py); ikgat defaults to its checkpoin
 config (none for the shipped one), the other methods to none; the other --filter_* flags override
 single fields. --offsets=template gives every method (and --subject_calibration) the rig's
 template offsets instead of each subject's own, as the solver has for positions alone; the
-errors stay against the subject's own rotations.
+errors stay against the subject's own rotations. --subject_scale=K evaluates every body K times
+its size (a subject smaller or larger than the data's; the rotations are the same), and
+--size_normalization shows ikgat each body at the rig template's size, as IKSolver does by
+default (BENCHMARKS.md "Subject size").
 """
 
 from pathlib import Path
@@ -51,7 +55,7 @@ _INIT_ROOT = flags.DEFINE_enum('init_root', 'analytic', ['analytic', 'identity']
                                'Cold-start root rotation.')
 _OPTIMIZER = flags.DEFINE_enum('optimizer', 'adam', ['adam', 'lbfgs'], 'Solver optimizer.')
 _REFINE = flags.DEFINE_integer('refine_iters', 0, 'ikgat only: refine its output with this many '
-                               'anchored iterations (0: off; --refine_prior).')
+                               'anchored iterations (0: off; --refine_prior).', lower_bound=0)
 _REFINE_LR = flags.DEFINE_float('refine_lr', None, 'Learning rate of the refinement (default: '
                                  'iterative_ik.REFINE_DEFAULTS).')
 _W_ANCHOR = flags.DEFINE_float('w_anchor', None, 'Refinement: weight pulling toward IK-GAT '
@@ -78,12 +82,17 @@ _SUBJECT_CAL = flags.DEFINE_boolean('subject_calibration', False, 'Turn the join
                                     'children branch (the root, the chest) by each file\'s '
                                     'subject\'s biases there, measured on the file\'s input '
                                     'frames (ik_gat_jax/subject_calibration.py).')
+_SIZE = flags.DEFINE_boolean('size_normalization', False, 'ikgat only: the network sees each '
+                             'body at the rig template\'s size, as IKSolver does by default.')
+_SUBJECT_SCALE = flags.DEFINE_float('subject_scale', 1.0, 'Every body this many times its size '
+                                    '(positions and offsets; the rotations are the same).')
 _OFFSETS = flags.DEFINE_enum('offsets', 'subject', list(evaluation.OFFSETS), 'Rest offsets '
                              'given to the method: each subject\'s own, or the rig\'s template '
                              '(what the solver takes for positions alone); errors stay against '
                              'the subject\'s own rotations.')
 _WARM = flags.DEFINE_boolean('warm_start', False, 'Warm start over windows of each clip.')
-_NOISE = flags.DEFINE_float('noise_mm', 0.0, 'Gaussian input noise per coordinate (mm).')
+_NOISE = flags.DEFINE_float('noise_mm', 0.0, 'Gaussian input noise per coordinate (mm).',
+                             lower_bound=0.0)
 _MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate about this many frames: each '
                                    'file its share, rounded up (up to one more per file; '
                                    'evaluation.select_frames); 0: all.')
@@ -94,7 +103,8 @@ _OUTPUT = flags.DEFINE_string('output_json', None, 'Result file (written atomica
 _TRACKERS = flags.DEFINE_string('trackers', 'full', 'Observed joints: full, a named subset '
                                 '(6, 10) or joint names A,B,C (ikgat with joint masks only).')
 _JOINT_DROPOUT = flags.DEFINE_float('joint_dropout', 0.0, 'Drop each observed joint with this '
-                                    'probability (seeded by --seed).')
+                                    'probability (seeded by --seed).', lower_bound=0.0,
+                                    upper_bound=1.0)
 _ORIENTATIONS = flags.DEFINE_list('orientations', [], 'Joints whose true world rotation is '
                                   'given (ikgat with orientation_inputs only).')
 _END_SITES = flags.DEFINE_boolean('end_sites', False, 'Give the true end sites of the leaves '
@@ -151,7 +161,8 @@ def main(argv):
                                   checkpoint=_CHECKPOINT.value, prior=_PRIOR.value,
                                   solver=solver_config(), warm_start=_WARM.value,
                                   chunk=_BATCH.value, refine=refine_config(),
-                                  mirror=_mirror(), matmul_precision=_PRECISION.value)
+                                  mirror=_mirror(), matmul_precision=_PRECISION.value,
+                                  size_normalization=_SIZE.value)
   result = evaluation.evaluate(method, ds, ds.rig, max_frames=_MAX_FRAMES.value,
                                noise_mm=_NOISE.value, seed=_SEED.value,
                                temporal_filter=temporal_filter(method.info),
@@ -160,7 +171,8 @@ def main(argv):
                                    tuple(_ORIENTATIONS.value), _SEED.value,
                                    end_sites=_END_SITES.value),
                                subject_calibration=_SUBJECT_CAL.value,
-                               offsets=_OFFSETS.value)
+                               offsets=_OFFSETS.value, subject_scale=_SUBJECT_SCALE.value)
+
   result['command'] = provenance.command_line()
   print(evaluation.markdown_table(result))
   if out is None:

@@ -139,7 +139,7 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
              noise_mm: float = 0.0, seed: int = 0,
              temporal_filter: temporal.FilterConfig | None = None,
              sparse: SparseInputs | None = None, subject_calibration: bool = False,
-             offsets: str = 'subject') -> dict:
+             offsets: str = 'subject', subject_scale: float = 1.0) -> dict:
   """Runs `method` on `data` (a `data.Dataset`) and returns the result JSON object.
 
   `sparse` (issue G2): observed joints (tracker subset and/or random dropout: the others reach
@@ -159,18 +159,28 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
   frame's subject's own) or 'template' (the rig's template, as `IKSolver` takes for an input of
   positions alone, without the subject's offsets). The errors are always against the
   subject's own rotations and FK, so 'template' measures what not knowing them costs.
+
+  `subject_scale` k: every body k times its size (positions, offsets and end sites scaled; the
+  rotations are the same), before any noise: a subject smaller or larger than the data's.
   """
   if offsets not in OFFSETS:
     raise ValueError(f'offsets must be one of {", ".join(OFFSETS)}, got {offsets!r}')
+  if not (math.isfinite(subject_scale) and subject_scale > 0):
+    raise ValueError(f'subject_scale must be a positive number, got {subject_scale}')
   idx = select_frames(data, max_frames)
   batch = {k: np.asarray(v) for k, v in
            input_pipeline.gather_batch(data, idx).items()}
+  if subject_scale != 1.0:
+    batch.update({k: (batch[k] * subject_scale).astype(batch[k].dtype)
+                  for k in ('positions', 'offsets') if k in batch})
   given = (batch['offsets'] if offsets == 'subject' else
            np.broadcast_to(rig.template(), batch['offsets'].shape).astype(batch['offsets'].dtype))
   file_ids = np.asarray(data.file_id[idx])
   noisy = add_noise(batch['positions'], noise_mm, seed)
   sparse = sparse or SparseInputs()
   noisy, extras, sparse_info = sparse_inputs(sparse, method, noisy, data, idx, rig)
+  if sparse.end_sites and subject_scale != 1.0:  # the true end sites, scaled with the body
+    extras = extras[:-2] + ((extras[-2] * subject_scale).astype(np.float32), extras[-1])
   frame_index = np.asarray(data.frame_index[idx])
   k = int(method.info.get('input_window', 1))
   if k > 1:  # issue K: each frame with its past frames, from the same noisy frames (windows.py)
@@ -205,7 +215,8 @@ def evaluate(method: Method, data, rig: Rig, *, max_frames: int | None = None,
   result.update(seconds=seconds, compile_seconds=compile_s,
                 frames_per_s=len(idx) / max(seconds, 1e-9), noise_mm=noise_mm,
                 settings=method.info, temporal_filter=temporal_filter.to_dict(),
-                subject_calibration=bool(subject_calibration), offsets=offsets)
+                subject_calibration=bool(subject_calibration), offsets=offsets,
+                subject_scale=subject_scale)
   result.update(metrics.jitter_summary(pred, batch['local_rot'], file_ids, data.fps, rig,
                                        frame_index))
   if sparse_info:
@@ -300,7 +311,7 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
                  refine: iterative_ik.SolverConfig | None = None,
                  prior_dir: str | Path | None = None,
                  loaded_prior: Prior | None = None, mirror: bool = False,
-                 matmul_precision: str = 'float32') -> Method:
+                 matmul_precision: str = 'float32', size_normalization: bool = False) -> Method:
   """IK-GAT from a run or checkpoint directory (default: the shipped one).
 
   `refine` (amortized + refine) with `w_prior > 0` uses the pose prior (`loaded_prior`, or
@@ -315,6 +326,9 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
   rest pose's bone frames stay float32, so conversions to local rotations promote to float32).
   `matmul_precision` 'bfloat16' runs only the network's large products with bfloat16 inputs and
   float32 sums (`model.set_matmul_precision`), everything else as `dtype`.
+  `size_normalization`: the network sees each body at the rig template's size, as `IKSolver`
+  does by default (`inference.ikgat_infer`); off here, so the figures measure the network as
+  trained unless asked.
   """
   path = Path(checkpoint) if checkpoint else inference.SHIPPED_IKGAT
   model, meta = inference.load_model(path, expected_rig=rig)
@@ -348,8 +362,8 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
       batch.update(orientations=orientations.astype(dtype), orientation_mask=orientation_mask)
     if end_sites is not None:
       batch.update(end_sites=end_sites.astype(dtype), end_site_mask=end_site_mask)
-    return inference.ikgat_infer(model, batch, refine=refine, prior=prior_fn,
-                                 mirror=mirror).astype(jnp.float32)
+    return inference.ikgat_infer(model, batch, refine=refine, prior=prior_fn, mirror=mirror,
+                                 size_normalization=size_normalization).astype(jnp.float32)
 
   info = {'checkpoint': str(path), 'model': meta['config']['model'],
           'trained_steps': meta.get('step'), 'dtype': dtype,
@@ -364,6 +378,8 @@ def ikgat_method(checkpoint: str | Path | None, rig: Rig, chunk: int = 1024,
   if prior is not None:
     info['refine_prior'] = str(prior.path)
   info['mirror'] = mirror
+  info['size_normalization'] = size_normalization
+
   name = 'ikgat' + ('+mirror' if mirror else '')
   name += '' if refine is None else f'+refine{refine.iters}'
   name += '+prior' if prior is not None else ''
@@ -441,8 +457,9 @@ def make_method(name: str, rig: Rig, *, train_data=None, checkpoint=None, prior=
                 solver: iterative_ik.SolverConfig | None = None, warm_start: bool = False,
                 chunk: int | None = None, dtype: str = 'float32',
                 refine: iterative_ik.SolverConfig | None = None, mirror: bool = False,
-                matmul_precision: str = 'float32') -> Method:
-  """The method `name` (one of `METHODS`) for `rig`; `dtype`, `matmul_precision` (`ikgat_method`),
+                matmul_precision: str = 'float32', size_normalization: bool = False) -> Method:
+  """The method `name` (one of `METHODS`) for `rig`; `dtype`, `matmul_precision`,
+  `size_normalization` (`ikgat_method`),
   `mirror` (test-time mirror
   averaging) and `refine` (amortized + refine: `refine_rotations` from IK-GAT's output) apply to
   IK-GAT only; `prior` (a directory; default
@@ -450,9 +467,12 @@ def make_method(name: str, rig: Rig, *, train_data=None, checkpoint=None, prior=
   kw = {'chunk': chunk} if chunk else {}
   if name == 'ikgat':
     return ikgat_method(checkpoint, rig, dtype=dtype, refine=refine, prior_dir=prior,
-                        mirror=mirror, matmul_precision=matmul_precision, **kw)
+                        mirror=mirror, matmul_precision=matmul_precision,
+                        size_normalization=size_normalization, **kw)
   if matmul_precision != 'float32':
     raise ValueError('a matmul precision applies to ikgat only')
+  if size_normalization:
+    raise ValueError('size normalization applies to ikgat only')
   if name == 'swing':
     return swing_method(rig, **kw)
   if name == 'mean_pose':

@@ -264,7 +264,8 @@ def flop_frames(limit: int = 64) -> int:
 def ikgat_infer(model, batch, config=None, rig=None,
                 refine: iterative_ik.SolverConfig | None = None,
                 micro_batch: int | None = None, prior=None, mirror: bool = False,
-                num_valid: jax.Array | int | None = None) -> jax.Array:
+                num_valid: jax.Array | int | None = None,
+                size_normalization: bool = False) -> jax.Array:
   """The one IK-GAT forward: deterministic, to local rotations `[B, J, 3, 3]` (batch:
   positions, bone_frames; optional joint_mask, orientations, orientation_mask, end_sites,
   end_site_mask where the model takes them; a window model's history `[B, k-1, J, 3]`).
@@ -283,12 +284,23 @@ def ikgat_infer(model, batch, config=None, rig=None,
   (`mirror_inputs`; it needs `batch['offsets']`) in the same call, and the answer is the
   geodesic midpoint of its own and the mirrored solution mapped back
   (`input_pipeline.unmirror_local`): twice the network's work, and a solver that is exactly
-  mirror-equivariant whatever the network learned (tests/rig_invariance_test.py)."""
+  mirror-equivariant whatever the network learned (tests/rig_invariance_test.py).
+
+  `size_normalization`: the network sees each body scaled to the rig template's size
+  (`size_scale`: from `batch['offsets']`, or the frame's own bones where those are the
+  template's); the refinement and every output keep the input's size. A body scaled by k then
+  gives the same rotations for any k (to float32 round-off), and a subject smaller or larger
+  than the training data's is solved as one of its size (BENCHMARKS.md "Subject size")."""
   del config
   rig = rig or model.rig
   inputs = {'positions': batch['positions'], 'bone_frames': batch['bone_frames'],
             **model_lib.extra_inputs(batch, model.config)}
   n = inputs['positions'].shape[0]
+  if size_normalization:
+    mask = inputs.get('joint_mask')
+    mask = None if mask is None else (mask if mask.dtype == bool else mask > 0.5)
+    inputs = scale_points(inputs, size_scale(inputs['positions'], batch['offsets'], rig, mask))
+
   if mirror:
     inputs = mirror_inputs(inputs, batch['offsets'], rig)
   mb = micro_batch_size() if micro_batch is None else int(micro_batch)
@@ -306,6 +318,53 @@ def ikgat_infer(model, batch, config=None, rig=None,
 
 
 MIRRORED_INPUTS = ('positions', 'bone_frames', 'joint_mask', 'history')
+
+# The network's inputs that are points (scaled by `size_normalization`).
+POINT_INPUTS = ('positions', 'history', 'end_sites')
+
+
+def size_scale(positions: jax.Array, offsets: jax.Array, rig: Rig,
+               mask: jax.Array | None = None) -> jax.Array:
+  """`[B]`: the factor that brings each frame's body to the rig template's size, the summed
+  length of the template's bones over the subject's: from the subject's rest `offsets [B or 1,
+  J, 3]`, or, where they are the template's own (no subject given), from the frame's
+  `positions [B, J, 3]` (its bones with both ends observed, `mask [B, J]`). 1 for a rig
+  without a template. Rotations do not change when a body is scaled, so the network then sees
+  every subject at the size its training data had (`ikgat_infer`'s `size_normalization`)."""
+  try:
+    template = np.asarray(rig.template(), np.float64)
+  except Exception:  # a rig without template offsets: nothing to compare with
+    return jnp.ones(positions.shape[:1], positions.dtype)
+  lengths = np.linalg.norm(template, axis=-1)
+  bones = np.asarray([j for j, p in enumerate(rig.parents) if p >= 0 and lengths[j] > 1e-6])
+  if not len(bones):
+    return jnp.ones(positions.shape[:1], positions.dtype)
+  parents = np.asarray(rig.parents)[bones]
+  dtype = positions.dtype
+  tl = jnp.asarray(lengths[bones], dtype)
+  off = jnp.broadcast_to(offsets, positions.shape[:1] + offsets.shape[-2:]).astype(dtype)
+  subject = jnp.sum(rotations.safe_norm(off[:, bones]), -1)
+  is_template = jnp.all(jnp.abs(off - jnp.asarray(template, dtype)) <= 1e-6, axis=(-2, -1))
+  seen = (jnp.ones(positions.shape[:1] + (len(bones),), bool) if mask is None
+          else mask[:, bones] & mask[:, parents])
+  x = jnp.where(seen[..., None], positions[:, bones] - positions[:, parents], 0.0)
+  frame = jnp.sum(jnp.where(seen, rotations.safe_norm(x), 0.0), -1)
+  frame_template = jnp.sum(jnp.where(seen, tl, 0.0), -1)
+  s = jnp.where(is_template, frame_template / jnp.maximum(frame, 1e-6),
+                jnp.sum(tl) / jnp.maximum(subject, 1e-6))
+  ok = jnp.isfinite(s) & (s > 0) & jnp.where(is_template, frame > 1e-6, subject > 1e-6)
+  return jnp.where(ok, s, 1.0).astype(dtype)
+
+
+def scale_points(inputs: dict, s: jax.Array) -> dict:
+  """`inputs` with its points (`POINT_INPUTS`) scaled by `s [B]` about the origin: the network
+  removes each frame's centre, so the body it sees is scaled by `s`."""
+  out = dict(inputs)
+  for k in POINT_INPUTS:
+    if k in out:
+      out[k] = out[k] * s.reshape((-1,) + (1,) * (out[k].ndim - 1)).astype(out[k].dtype)
+  return out
+
 
 
 def check_mirror_averaging(rig: Rig, off: str = 'turn it off (--nomirror)') -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 import sys
 import time
 import warnings
@@ -94,12 +95,11 @@ def parse_frames(spec: str | None, num_frames: int, default: int) -> list[int]:
   return frames
 
 
-def _subject_offsets(source, M):
-  """The input's own offsets (metres, rig axes) or None for the solver's default: the
+def _subject_offsets(source):
+  """The input's own offsets, in its positions' units and axes (which `IKSolver.solve`
+  converts to metres in rig axes with them), or None for the solver's default: the
   `offsets_from` BVH read by `IKSolver.from_checkpoint`, else the template (see solve_file)."""
-  if source.offsets is None:
-    return None
-  return source.offsets @ M.T if source.metres_rig else source.offsets
+  return source.offsets
 
 
 def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None = None,
@@ -123,7 +123,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                trackers: str = 'full', orientations: str | None = None,
                end_sites: str | None = None, matmul_precision: str = 'float32',
                hold_missing: bool = False, subject_calibration: bool = False,
-               reference_pose: str | None = None) -> dict:
+               reference_pose: str | None = None, size_normalization: bool = True) -> dict:
   """Reads `input`, solves, writes `output` (+ `smpl_npz`, `plot`, `clip`); returns a summary.
 
   `rig` (a name or rig JSON) refuses a checkpoint for another rig. Offsets (the subject R is
@@ -153,7 +153,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   `hold_missing`: NaN input joints (tracker dropouts) keep their last seen offset from the root
   instead (`solver.hold_missing_joints`; any checkpoint). `subject_calibration`: the joints whose
   children branch turned by the subject's biases there, measured on the clip's own frames
-  (`IKSolver.from_checkpoint`).
+  (`IKSolver.from_checkpoint`). `size_normalization`: the network sees each body at the rig
+  template's size (`IKSolver.from_checkpoint`; default on).
   `end_sites`: an .npy `[T, E, 3]` of the rig leaves' end-site points (input units and axes,
   NaN = not given), or 'bvh' for a BVH input's own End Sites; a checkpoint trained with end
   sites (issue G2) also uses a BVH input's End Sites when `end_sites` is None; 'none' gives none.
@@ -162,6 +163,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   source joint's, ZYX without one; ZYX for other inputs).
   """
   t0 = time.perf_counter()
+  if fps is not None and not (math.isfinite(fps) and fps > 0):
+    raise InputError(f'--fps must be a positive frame rate, got {fps:g}')
   kind = output_kind(output)
   exports.check_output(output, overwrite)
   if bvh_units is not None:
@@ -180,7 +183,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
       refine_prior=None if refine_prior in (None, '', 'none') else refine_prior,
       bvh_units=offsets_units, mirror=mirror, workers=workers, attention=attention,
       matmul_precision=matmul_precision, hold_missing=hold_missing,
-      subject_calibration=subject_calibration)
+      subject_calibration=subject_calibration, size_normalization=size_normalization)
   solver = load()
   rig = solver.rig
   if kind == 'smpl' or smpl_npz is not None:
@@ -203,7 +206,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                                                    filter_min_cutoff, filter_beta,
                                                    filter_d_cutoff)
   M = solver_lib.parse_input_axes(input_axes, rig)
-  offsets = None if offsets_from is not None else _subject_offsets(source, M)
+  offsets = None if offsets_from is not None else _subject_offsets(source)
   # Which rest pose the rotations are relative to (the summary's and an npz's `offsets`).
   offsets_source = ('fitted' if fit_offsets else 'offsets_from' if offsets_from is not None
                     else 'input' if offsets is not None else 'template')
@@ -215,7 +218,11 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
     log('SMPL trans: the root minus the rest root in the written offsets (not the body '
         'model\'s own, which a reader of trans adds): give its rest joints as the input npz\'s '
         '`offsets` for a body model to stand where the input does')
+  if fps is not None and source.fps and not source.metres_rig and abs(fps - source.fps) > 1e-9:
+    log(f'--fps={fps:g} replaces the input\'s own {source.fps:g} fps: its frames are taken as '
+        f'{fps:g} per second, not resampled (a BVH input is resampled)')
   rate = float(fps or source.fps or 30.0)
+
   solver.fps = rate
   mask, orient = _sparse_inputs(solver, trackers, orientations, len(source.positions))
   ends = _end_sites(solver, end_sites, source)
@@ -238,8 +245,13 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                      orientations=orient, end_sites=ends)
   bvh_out = _bvh_output(source, bvh_units, rig)
   with exports.staged([output, smpl_npz, plot, clip], overwrite) as (out, smpl, png, frames):
-    _write_main(kind, out, sol, rig, rate, bvh_out, smpl_world, solver, offsets_source,
-                missing)
+    record = {'offsets_source': offsets_source + (', lengths estimated' if estimate_lengths
+                                                  else ''),
+              'input_axes': M, 'input_units_m': (source.bvh_units_m if source.metres_rig
+                                                 else solver_lib.parse_units(units))}
+    if source.reference is not None:
+      record['reference_pose'] = source.reference
+    _write_main(kind, out, sol, rig, rate, bvh_out, smpl_world, solver, record, missing)
     if smpl is not None:
       exports.write_smpl_npz(smpl, sol, rig, rate, world=smpl_world)
     _write_pictures(png, frames, sol, rig, rate, plot_frames, clip_frames)
@@ -322,10 +334,13 @@ def _end_sites(solver, end_sites: str | None, source) -> np.ndarray | None:
   return ends
 
 
-def _write_main(kind, path, sol, rig, fps, bvh_out, smpl_world, solver, offsets_source,
+def _write_main(kind, path, sol, rig, fps, bvh_out, smpl_world, solver, record: dict,
                 missing=None) -> None:
-  """The main output; an npz also records `input_missing [T, J]` where `missing` (the
-  input's NaN joints, held or masked in the solution's `positions`) has any."""
+  """The main output; an npz also records the checkpoint, `record` (`offsets_source`,
+  `input_axes [3, 3]` and `input_units_m`: how the input was converted to the rig's metres
+  and axes, `reference_pose [J, 3, 3]` where the input named one), the frame's `units` ('m'),
+  `up` and `forward` (the rig's axes) and `input_missing [T, J]` where `missing` (the input's
+  NaN joints, held or masked in the solution's `positions`) has any."""
   if kind == 'bvh':
     units_m, orders = bvh_out
     exports.write_solution_bvh(path, sol, rig, fps, units=units_m, orders=orders)
@@ -336,8 +351,10 @@ def _write_main(kind, path, sol, rig, fps, bvh_out, smpl_world, solver, offsets_
   elif kind == 'fbx':
     exports.write_solution_fbx(path, sol, rig, fps)
   else:
-    extra = {'checkpoint': np.asarray(str(solver.source)),
-             'offsets_source': np.asarray(offsets_source)}
+    extra = {'checkpoint': np.asarray(str(solver.source)), 'units': np.asarray('m'),
+             'up': np.asarray(rig.up, np.float32), 'forward': np.asarray(rig.forward, np.float32),
+             **{k: np.asarray(v) for k, v in record.items()}}
+
     if missing is not None and missing.any():
       extra['input_missing'] = missing
     exports.write_npz_atomic(path, exports.solution_arrays(sol, rig, fps, extra))
@@ -416,7 +433,7 @@ def define_flags() -> None:
   flags.DEFINE_integer('refine_iters', 0, 'Refine IK-GAT with this many anchored iterations '
                        'of the rotation solver, root translation fitted (amortized + refine; 50 '
                        'for noisy trackers: joints closer to the truth than the input, ~2x the '
-                       'time; BENCHMARKS.md).')
+                       'time; BENCHMARKS.md).', lower_bound=0)
   s('refine_prior', 'shipped', 'The refinement\'s pose prior: shipped (checkpoints/prior where it '
     'is for the checkpoint\'s rig, else none), a prior run or checkpoint directory, or none.')
   flags.DEFINE_boolean('mirror', False, 'Mirror averaging: the network also solves the mirror '
@@ -443,6 +460,10 @@ def define_flags() -> None:
                        'on the clip\'s own frames: lower error for a subject whose hips and '
                        'shoulders sit unlike the training subjects\' '
                        '(ik_gat_jax/subject_calibration.py).')
+  flags.DEFINE_boolean('size_normalization', True, 'The network sees each body scaled to the rig '
+                       'template\'s size (from the subject\'s offsets, else each frame\'s '
+                       'bones): any subject\'s size gives the same rotations (--nosize_'
+                       'normalization: the input as it is).')
   s('trackers', 'full', 'Observed joints (checkpoints with joint masks): full, a named subset '
     '(6, 10; ik_gat_jax/trackers.py) or joint names A,B,C; NaN input joints are missing too.')
   s('orientations', None, '.npy [T, J, 3, 3] world rotations (rig axes; NaN = not given) for a '
@@ -499,7 +520,7 @@ def main(argv) -> None:
                  filter_d_cutoff=F.filter_d_cutoff, trackers=F.trackers,
                  orientations=F.orientations, end_sites=F.end_sites,
                  hold_missing=F.hold_missing, subject_calibration=F.subject_calibration,
-                 reference_pose=F.reference_pose)
+                 reference_pose=F.reference_pose, size_normalization=F.size_normalization)
   except (ValueError, KeyError, OSError, CheckpointError) as e:
     text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip()
     _stderr(f'error: {text.splitlines()[0] if text else type(e).__name__}')

@@ -58,7 +58,11 @@ compiles in), neither traced nor lowered. With bfloat16 products (`matmul_precis
 Input checks (`check_positions`, `check_plausibility`): wrong shape or joint count and NaN/inf
 raise `InputError` (a ValueError) naming the expected joints or the frame and joint; bone
 lengths ~100x (or 0.01x) the template's and a head below the pelvis on average warn with the
-likely fix (`--units`, `--input_axes`). `step` runs only the cheap hard checks (shape, finite).
+likely fix (`--units`, `--input_axes`), attributed to the caller's line; a single frame's
+kind of warning is said once per solver (a live loop calling `solve`). `step` and
+`solve_stream` run the cheap hard checks (shape, finite) on every frame and the warnings on a
+stream's first whole frame only (after `reset()`: `_check_stream`). Offsets whose bones are 4x
+the template's or under a quarter are refused (`check_offsets_size`).
 
 Sparse inputs (issue G2). A checkpoint trained with `joint_mask` takes missing joints: `mask
 [T, J]` (1 = observed) and/or NaN joints in the positions (read as missing); one trained with
@@ -412,8 +416,28 @@ def units_problem(positions: np.ndarray, rig: Rig, scale: float = 1.0) -> str | 
   return None
 
 
-def check_plausibility(positions: np.ndarray, rig: Rig, scale: float = 1.0) -> list[str]:
-  """Warns (`warnings.warn`, also returned) on likely unit or axis problems.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_caller(msg: str) -> None:
+  """`warnings.warn(msg)` attributed to the first frame outside this package (the user's
+  line that called the library), so Python's warning filters and its file:line see that."""
+  frame, level = sys._getframe(1), 2
+  while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    frame, level = frame.f_back, level + 1
+  warnings.warn(msg, stacklevel=level)
+
+
+def warning_kind(msg: str) -> str:
+  """A warning's kind: `msg` up to its first colon, without numbers (whatever the frame's
+  measurements: 'up axis looks wrong', 'bone lengths are #x the template's (cmu_body)')."""
+  return re.sub(r'[-+]?\d[\d.,e+-]*', '#', msg.split(':')[0])
+
+
+def check_plausibility(positions: np.ndarray, rig: Rig, scale: float = 1.0,
+                       said: set[str] | None = None) -> list[str]:
+  """Warns (`warnings.warn`, also returned) on likely unit or axis problems; with `said` (a
+  set the caller keeps), each kind of warning once (`warning_kind`), the kinds added to it.
 
   `positions [T, J, 3]` in metres (after `scale` metres per unit was applied), rig axes.
   Needs the rig's template; without one nothing is checked. A long clip is judged on at most
@@ -428,8 +452,11 @@ def check_plausibility(positions: np.ndarray, rig: Rig, scale: float = 1.0) -> l
   positions = positions[::-(-len(positions) // _PLAUSIBILITY_FRAMES)]
   msgs = [m for m in (units_problem(positions, rig, scale),) if m]
   msgs += _check_up(positions, rig)
+  if said is not None:
+    msgs = [m for m in msgs if warning_kind(m) not in said]
+    said.update(warning_kind(m) for m in msgs)
   for m in msgs:
-    warnings.warn(m, stacklevel=3)
+    warn_caller(m)
   return msgs
 
 
@@ -516,7 +543,21 @@ def check_offsets(offsets, rig: Rig) -> np.ndarray:
   return off
 
 
+def check_offsets_size(offsets: np.ndarray, rig: Rig) -> None:
+  """InputError when the subject's bones are a median `_UNIT_WARN_RATIO` times the template's
+  or under its inverse: offsets in other units than metres (or than the positions' with
+  `units`), which would put every FK output and exported skeleton off by that factor."""
+  try:
+    ratio = length_ratio(np.linalg.norm(offsets, axis=-1), rig)
+  except RigError:  # no template: nothing to compare with
+    return
+  if not 1 / _UNIT_WARN_RATIO < ratio < _UNIT_WARN_RATIO:
+    raise InputError(f'offsets: the bones are {ratio:.3g}x the template\'s ({rig.name}): give '
+                     'them in the positions\' units (units= converts both; metres without it)')
+
+
 def rest_pose_angles(offsets: np.ndarray, rig: Rig) -> np.ndarray:
+
   """`[J]` per joint, the angle (degrees) between the subject's rest offset of its bone and the
   rig template's, as world vectors in the rig's natural pose (each in its parent's frame where
   that is the zero pose); NaN for the root and where either offset is zero; empty without a
@@ -558,7 +599,7 @@ def check_rest_pose(offsets: np.ndarray, rig: Rig) -> str | None:
          'input: name its natural pose, a T-pose facing forward (a joint map\'s reference_pose, '
          '--reference_pose=first_frame for a clip that starts in it), or --subject_calibration '
          'fits those joints to the input')
-  warnings.warn(msg, stacklevel=3)
+  warn_caller(msg)
   return msg
 
 
@@ -572,8 +613,9 @@ def estimate_offsets(positions: np.ndarray, base_offsets: np.ndarray, rig: Rig) 
     if p < 0 or n <= 1e-6:
       continue
     if observed[j] <= 1e-6:
-      warnings.warn(f'bone {rig.joint_names[p]} -> {rig.joint_names[j]} has zero length in the '
-                    'input; keeping its template length', stacklevel=3)
+      warn_caller(f'bone {rig.joint_names[p]} -> {rig.joint_names[j]} has zero length in the '
+                  'input; keeping its template length')
+
       continue
     out[j] *= observed[j] / n
   return out
@@ -679,7 +721,7 @@ def _constants_digest(tree) -> str:
 
 
 def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None, prior=None,
-                  mirror: bool = False):
+                  mirror: bool = False, size: bool = False):
   """jit((state leaves, positions [b, J, 3], offsets [J, 3], B [J, 3, 3]), full static) -> dict.
 
   The model state (with the refinement's prior state: `(state, prior_state)`) goes in as its
@@ -692,14 +734,17 @@ def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None, 
   rotation solver from IK-GAT's output (issues G1, J; BENCHMARKS.md), with the pose prior
   `prior` (`vposer.DecoderFn`, static) where given. `mirror`: test-time mirror averaging
   (`inference.ikgat_infer`). `num_valid` (int32 scalar or None): the positions' first that many
-  frames are the chunk, the rest its padding, whose blocks of the network are skipped.
+  frames are the chunk, the rest its padding, whose blocks of the network are skipped. `size`:
+  the network sees each body at the template's size (`inference.ikgat_infer`'s
+  `size_normalization`).
   """
 
   def forward(leaves, positions, offsets, B, full, sparse=None, num_valid=None):
     counter[0] += 1  # runs at trace time only: counts compilations
     state, prior_state = jax.tree.unflatten(treedef, leaves)
     local = _infer(graphdef, rig, refine, state, positions, offsets, B, sparse,
-                   (prior, prior_state) if prior is not None else None, mirror, num_valid)
+                   (prior, prior_state) if prior is not None else None, mirror, num_valid,
+                   size)
     if not full:
       return {'local_rot': local}
     G, p = kinematics.forward_kinematics(local, offsets, rig.parents, root_pos=positions[:, 0])
@@ -711,18 +756,19 @@ def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None, 
 
 
 def _infer(graphdef, rig: Rig, refine, state, positions, offsets, B, sparse=None, prior=None,
-           mirror: bool = False, num_valid=None):
+           mirror: bool = False, num_valid=None, size: bool = False):
   """The network (mirror-averaged with `mirror`; + the optional refinement, with `prior =
   (DecoderFn, state)` where given): positions `[b, J, 3]` -> local `[b, J, 3, 3]`."""
   return inference.ikgat_infer(nnx.merge(graphdef, state),
                                {'positions': positions, 'bone_frames': B[None],
                                 'offsets': offsets, **(sparse or {})}, rig=rig, refine=refine,
-                               prior=prior, mirror=mirror, num_valid=num_valid)
+                               prior=prior, mirror=mirror, num_valid=num_valid,
+                               size_normalization=size)
 
 
 def _make_stream_step(graphdef, treedef, rig: Rig, counter: list[int], refine,
                       config: temporal.FilterConfig, fps: float, prior=None,
-                      mirror: bool = False):
+                      mirror: bool = False, size: bool = False):
   """jit((state leaves, filter state, one frame [1, J, 3], offsets, B, sparse)) -> (filter state,
   filtered local [J, 3, 3]): network and temporal filter in one call, so a filtered live stream
   pays one dispatch per frame, not two (measured: +42% latency as two calls)."""
@@ -731,7 +777,7 @@ def _make_stream_step(graphdef, treedef, rig: Rig, counter: list[int], refine,
     counter[0] += 1
     state, prior_state = jax.tree.unflatten(treedef, leaves)
     local = _infer(graphdef, rig, refine, state, positions, offsets, B, sparse,
-                   (prior, prior_state) if prior is not None else None, mirror)
+                   (prior, prior_state) if prior is not None else None, mirror, None, size)
     return temporal.filter_step(fstate, local[0], config, fps)
 
   return jax.jit(step)
@@ -812,7 +858,8 @@ class IKSolver:
                refine_iters: int = 0, temporal_filter: temporal.FilterConfig | None = None,
                fps: float = 30.0, refine_prior=None, mirror: bool = False,
                workers: int | None = None, hold_missing: bool = False,
-               subject_calibration: bool = False, reference_pose: np.ndarray | None = None):
+               subject_calibration: bool = False, reference_pose: np.ndarray | None = None,
+               size_normalization: bool = True):
     # The model's rig, or the same skeleton under another bind whose natural pose is
     # `reference_pose` (`skeleton.with_reference_pose`: bone frames follow the binds).
     self.rig: Rig = (model.rig if reference_pose is None
@@ -821,8 +868,12 @@ class IKSolver:
     # clip's over all of them, a stream's (`step` / `solve_stream`) over those so far, in
     # `_subject_bias`.
     self.subject_calibration = bool(subject_calibration)
+    # The network sees each subject at the template's size (`inference.size_scale`); read-only.
+    self.size_normalization = bool(size_normalization)
     self._subject_bias = subject_calibration_lib.SubjectBias()
     self._calibration_offsets_seen: set[bytes] = set()  # `_calibration_offsets`
+    self._said: set[str] = set()  # kinds of input warning said for single frames (`prepare`)
+    self._stream_checked = False  # `reset()` and `_check_stream`
     self._step_pos = None  # the frame `_step` solved last (rig metres, dropouts held)
     # Tracker dropouts (NaN joints) held from earlier frames (`hold_missing_joints`); the
     # stream's state for `step` / `solve_stream` in `_held` (`reset`).
@@ -862,7 +913,7 @@ class IKSolver:
     if refine_iters > 0:
       self.refine = iterative_ik.refine_config(refine_iters, prior=self._prior is not None)
     self._forward = _make_forward(graphdef, self._treedef, self.rig, self._traces, self.refine,
-                                  self._prior, self.mirror)
+                                  self._prior, self.mirror, self.size_normalization)
     self._step_exec = None  # `_default_step`, compiled on first use (per subject: `offsets`)
     self._compiled: set[tuple] = set()  # `_signature`s of the clip chunks run so far
     self._executables: dict[tuple, object] = {}  # argument signature -> compiled forward
@@ -896,6 +947,7 @@ class IKSolver:
     self.window_ratio = self._fps / self.window_fps
     self._history = (windows.StreamHistory(self.window, self.window_ratio)
                      if self.window > 1 else None)
+    self.reset()  # a new stream: the held joints and the subject's biases too
 
   @property
   def temporal_filter(self) -> temporal.FilterConfig:
@@ -916,13 +968,15 @@ class IKSolver:
     self._filter_state = None
     self._stream_step = (_make_stream_step(self._graphdef, self._treedef, self.rig,
                                            self._traces, self.refine, self.temporal_filter,
-                                           self._fps, self._prior, self.mirror)
+                                           self._fps, self._prior, self.mirror,
+                                           self.size_normalization)
                          if self.temporal_filter.active else None)
     self._stream_execs = {}  # `_stream_step` compiled ahead, per sparse-input signature
 
   @property
   def offsets(self) -> np.ndarray:
-    """The default subject's offsets `[J, 3]` (metres, rig axes; read-only: assign new ones)."""
+    """The default subject's offsets `[J, 3]` (metres, rig axes; read-only: assign new ones,
+    which starts a new stream: `reset()`)."""
     return self._offsets
 
   @offsets.setter
@@ -934,6 +988,9 @@ class IKSolver:
     self._offsets = value
     self._step_exec = None  # so a new subject drops them (compiled again on first use)
     getattr(self, '_stream_execs', {}).pop('own subject', None)
+    if hasattr(self, '_history'):  # a new subject, a new stream (not the constructor's first)
+      self.reset()
+
 
   @classmethod
   def from_checkpoint(cls, path: str | os.PathLike | None = None, *, offsets=None,
@@ -948,7 +1005,8 @@ class IKSolver:
                       matmul_precision: str = 'float32',
                       hold_missing: bool = False,
                       subject_calibration: bool = False,
-                      reference_pose: np.ndarray | None = None) -> 'IKSolver':
+                      reference_pose: np.ndarray | None = None,
+                      size_normalization: bool = True) -> 'IKSolver':
     """Loads a run directory or checkpoint (None: `inference.SHIPPED_IKGAT`).
 
     `offsets [J, 3]` (metres) or `offsets_from` (a BVH: its rest offsets reduced to the rig,
@@ -993,9 +1051,17 @@ class IKSolver:
     shipped prior models the joint chart of its own rig's binds, so under another bind
     'shipped' refines without it, as for any rig it does not fit (a prior trained with
     `VAEConfig.bone_chart` serves any bind).
+    `size_normalization` (default on): the network sees each subject scaled to the rig
+    template's size (rotations do not change with a body's scale), from the subject's offsets,
+    or each frame's own bones where the offsets are the template's (no subject given): a body
+    scaled by any k gives the same rotations, and one 15% smaller or larger than CMU's is
+    solved 1.2-1.8 deg closer to the truth, at 0.03 deg more on CMU's own subjects
+    (BENCHMARKS.md "Subject size"). False gives the network the input as it is.
     """
     if offsets is not None and offsets_from is not None:  # before the (slow) model load
       raise InputError('give offsets or offsets_from, not both')
+    if not (isinstance(refine_iters, (int, np.integer)) and refine_iters >= 0):
+      raise InputError(f'refine_iters must be a whole number >= 0 (0: off), got {refine_iters!r}')
     if path is None:
       if not Path(inference.SHIPPED_IKGAT).is_dir():
         raise CheckpointError(
@@ -1027,7 +1093,9 @@ class IKSolver:
     return cls(model, meta, offsets=offsets, block_size=block_size, source=str(path),
                refine_iters=refine_iters, temporal_filter=temporal_filter, fps=fps,
                refine_prior=prior, mirror=mirror, workers=workers, hold_missing=hold_missing,
-               subject_calibration=subject_calibration, reference_pose=reference_pose)
+               subject_calibration=subject_calibration, reference_pose=reference_pose,
+               size_normalization=size_normalization)
+
 
   # -- offsets ------------------------------------------------------------------------------
 
@@ -1066,10 +1134,10 @@ class IKSolver:
       return offsets
     unit = lambda o: o / np.maximum(np.linalg.norm(o, axis=-1, keepdims=True), 1e-12)
     if np.allclose(unit(np.asarray(offsets, np.float64)), unit(template), atol=1e-6):
-      warnings.warn('subject calibration with the template\'s rest offsets, not the '
-                    'subject\'s: it fits the template\'s hips and shoulders and raises the error; '
-                    'give the subject\'s offsets (offsets=, --offsets_from=BVH, an npz\'s '
-                    '`offsets`) or leave the calibration off', stacklevel=3)
+      warn_caller('subject calibration with the template\'s rest offsets, not the '
+                  'subject\'s: it fits the template\'s hips and shoulders and raises the error; '
+                  'give the subject\'s offsets (offsets=, --offsets_from=BVH, an npz\'s '
+                  '`offsets`) or leave the calibration off')
     return offsets
 
   def _device_subject(self, offsets: np.ndarray,
@@ -1079,6 +1147,7 @@ class IKSolver:
     key = np.asarray(offsets, np.float64).tobytes()
     if key not in self._frames_cache:
       if check:
+        check_offsets_size(offsets, self.rig)
         check_rest_pose(offsets, self.rig)
       B = bone_frames_lib.bone_frames_np(offsets, self.rig)
       if len(self._frames_cache) > 16:
@@ -1104,8 +1173,8 @@ class IKSolver:
     check_extent(arr)
     if self.hold_missing:
       arr, _ = hold_missing_joints(arr, None, self.rig)
-    if check and all_finite(arr):
-      check_plausibility(arr, self.rig, scale)
+    if check and all_finite(arr):  # single frames (a live loop calling solve): each kind once
+      check_plausibility(arr, self.rig, scale, self._said if len(arr) == 1 else None)
     return arr, single
 
   # -- solving ------------------------------------------------------------------------------
@@ -1259,6 +1328,7 @@ class IKSolver:
                              f'{[(x.shape, x.dtype.name) for x in self._leaves]}\n'
                              f'refine={self.refine!r}\nprior={self._prior!r}\n'
                              f'mirror={self.mirror}\n'
+                             f'size_normalization={self.size_normalization}\n'
                              f'reference_pose={self.rig.reference_pose!r}\n'
                              f'matmul_precision={self.matmul_precision}\n'
                              f'micro_batch={inference.micro_batch_size()}'
@@ -1291,6 +1361,8 @@ class IKSolver:
     `mask [T, J]` / `[J]` (1 = observed; NaN joints count as missing too), `orientations
     [T, J, 3, 3]` / `[J, 3, 3]` and `orientation_mask`, `end_sites [T, E, 3]` / `[E, 3]` (in
     the positions' units and axes; NaN = not given): sparse inputs (module docstring).
+    `offsets [J, 3]`: the subject's rest offsets (module docstring), in the positions' units and
+    axes, converted with them (the solver's default subject: metres, rig axes).
     `fit_offsets` (with `full`): the Solution's offsets fitted to the input after solving
     (`fitted_offsets`; the rotations unchanged, the FK outputs and bone frames from them).
     """
@@ -1304,6 +1376,9 @@ class IKSolver:
       with np.errstate(invalid='ignore'):
         end_sites = (np.asarray(end_sites, np.float64) * parse_units(units)) @ parse_input_axes(
             input_axes, self.rig).T
+    if offsets is not None and (units is not None or input_axes is not None):
+      offsets = check_offsets(offsets, self.rig) * parse_units(units) @ parse_input_axes(
+          input_axes, self.rig).T  # the positions' units and axes, like the end sites
     sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
     if self.window > 1:  # the same causal windows as a stream of these frames (windows.py)
       sparse = {'history': windows.clip_history(pos, self.window, self.window_ratio)}
@@ -1445,10 +1520,20 @@ class IKSolver:
     self._filter_state = None
     self._held = None
     self._subject_bias = subject_calibration_lib.SubjectBias()
+    self._stream_checked = False  # the next frame is a stream's first: units and axes checked
     if self._history is not None:
       self._history.reset()
 
+  def _check_stream(self, pos: np.ndarray) -> None:
+    """A stream's first frame(s) `[n, J, 3]` with every joint: the units and axes checks of
+    `solve` (`check_plausibility`), once per stream (until `reset()`), so a live loop fed
+    millimetres or z-up data hears it at its start; the frames after it are not checked."""
+    if all_finite(pos):
+      self._stream_checked = True
+      check_plausibility(pos, self.rig)
+
   def _stream_history(self, pos: np.ndarray) -> dict[str, np.ndarray] | None:
+
     """A window model's `history [n, k-1, J, 3]` of the next frames `pos [n, J, 3]` of the
     live stream (pushed into its state), else None."""
     if self._history is None:
@@ -1459,8 +1544,9 @@ class IKSolver:
            orientation_mask=None, end_sites=None) -> np.ndarray:
     """One live frame `[J, 3]` (metres, rig axes) -> local rotations `[J, 3, 3]`.
 
-    Only the cheap checks (shape, finite); compiled once (bucket 1). With a temporal filter the
-    output is filtered with the stream's state (kept until `reset`). `mask`, `orientations`,
+    The cheap checks (shape, finite; units and axes on a stream's first frame); compiled once
+    (bucket 1). With a temporal filter the output is filtered with the stream's state (kept
+    until `reset`). `mask`, `orientations`,
     `orientation_mask`, `end_sites`: sparse inputs of this frame (`[J]`, `[J, 3, 3]`, `[E, 3]`;
     module docstring). On a CPU with several cores, a process that serves live frames starts
     JAX with `ik_gat_jax.start_live_backend()` first: a frame then runs on the calling thread,
@@ -1505,10 +1591,12 @@ class IKSolver:
     check_extent(pos)
     if self.hold_missing:  # the stream's dropouts filled from its earlier frames
       pos, self._held = hold_missing_joints(pos, self._held, self.rig)
-    self._step_pos = pos
+    if not self._stream_checked:
+      self._check_stream(pos)
     sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
-    if self.window <= 1:  # as a clip's frames (`near_origin`); the calibration's stays
+    if self.window <= 1:  # as a clip's frames (`near_origin`), the calibration's float32 too
       pos, sparse, _ = near_origin(pos, sparse)
+    self._step_pos = pos
     if offsets is None and sparse is None and self._history is None:  # the common live frame
       if self._stream_step is None:  # one argument, one call
         return np.asarray(self._default_step()(np.asarray(pos, np.float32)))
@@ -1597,12 +1685,15 @@ class IKSolver:
       check_extent(pos)
       if self.hold_missing:
         pos, self._held = hold_missing_joints(pos, self._held, self.rig)
+      if not self._stream_checked:
+        self._check_stream(pos)
       history = self._stream_history(pos)
       x = pos if history is not None else near_origin(pos)[0]  # as a clip's frames
       local = self._filter_stream(self._run(x, subject, False, history)['local_rot'])
       if self.subject_calibration:  # one frame as `step` calibrates it, a batch by numpy
         cal = self._calibration_offsets(off)
-        local = (self._calibrate_frame(local[0], pos[0], cal)[None] if len(pos) == 1
+        local = (self._calibrate_frame(local[0], x[0], cal)[None] if len(pos) == 1
+
                  else self._subject_bias.calibrate(local, pos, cal, self.rig))
       yield local[0] if single else local
 

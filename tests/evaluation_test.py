@@ -189,3 +189,33 @@ def test_refine_never_increases_its_loss_and_lowers_mpjpe(cmu_shards, tiny_ikgat
   r0 = _run(evaluation.make_method('ikgat', ds.rig, checkpoint=tiny_ikgat_run), cmu_shards)
   r1 = _run(m, cmu_shards)
   assert r1['mpjpe_mm'] < r0['mpjpe_mm'] and r1['settings']['refine']['iters'] == 8
+
+
+def test_size_normalization_makes_any_subject_scale_the_same(cmu_shards, tiny_ikgat_run):
+  """`subject_scale` k scales every body (positions and offsets; the rotations stay the
+  truth); with `size_normalization` the network sees each body at the template's size, so the
+  errors do not depend on k (float32 round-off), from the subject's offsets and, with the
+  template's, from each frame's own bones; without it they do."""
+  ds = data.load_shards(cmu_shards, 'val')
+  on = evaluation.make_method('ikgat', ds.rig, checkpoint=tiny_ikgat_run, size_normalization=True)
+  off = evaluation.make_method('ikgat', ds.rig, checkpoint=tiny_ikgat_run)
+  for offsets in ('subject', 'template'):
+    base = _run(on, cmu_shards, offsets=offsets)['local_rot_err_deg']
+    for k in (0.8, 1.25):
+      r = _run(on, cmu_shards, offsets=offsets, subject_scale=k)
+      assert r['subject_scale'] == k and r['settings']['size_normalization']
+      assert abs(r['local_rot_err_deg'] - base) < 2e-3, (offsets, k)
+  plain = _run(off, cmu_shards)['local_rot_err_deg']
+  assert abs(_run(off, cmu_shards, subject_scale=0.8)['local_rot_err_deg'] - plain) > 0.05
+  with pytest.raises(ValueError, match='subject_scale must be a positive number'):
+    _run(on, cmu_shards, subject_scale=0.0)
+  with pytest.raises(ValueError, match='applies to ikgat only'):
+    evaluation.make_method('swing', ds.rig, size_normalization=True)
+
+
+def test_cli_refuses_negative_noise_refinement_and_dropout():
+  from absl import flags
+  from experiments import evaluate  # noqa: F401  (defines the flags)
+  for name, bad in (('noise_mm', '-1'), ('refine_iters', '-3'), ('joint_dropout', '1.5')):
+    with pytest.raises(flags.IllegalFlagValueError):
+      flags.FLAGS[name].parse(bad)

@@ -20,7 +20,7 @@ from ik_gat_jax import solve
 from ik_gat_jax.io import bvh
 from ik_gat_jax.io import exports
 from ik_gat_jax.io.units import UNITS
-from ik_gat_jax.solver import InputError
+from ik_gat_jax.solver import InputError, parse_input_axes
 
 from solver_test import fk_np, get_solver, posed_clip, tiny_checkpoint  # noqa: I100 (helpers)
 
@@ -421,3 +421,39 @@ def test_npz_output_records_the_inputs_missing_joints(ckpt, clip_npz, tmp_path):
   solve.solve_file(clip_npz[0], tmp_path / 'whole.npz', checkpoint=ckpt, log=_quiet)
   with np.load(tmp_path / 'whole.npz') as z:
     assert 'input_missing' not in z
+
+
+@pytest.mark.filterwarnings('ignore:up axis looks wrong')  # an untrained model's poses
+def test_an_npz_s_offsets_are_in_its_units_and_axes_and_the_npz_says_its_frame(
+    ckpt, tmp_path_factory, tmp_path):
+  """An npz's `offsets` are converted with its positions (`--units`, `--input_axes`): the same
+  clip in millimetres and z-up with its own offsets solves to the metres y-up clip's rotations
+  and skeleton (it gave a 126 m spine). The output npz says the frame of what it holds (`units`
+  'm', the rig's `up` and `forward`) and how the input was converted (`input_units_m`,
+  `input_axes`), and `offsets_source` says when the lengths were estimated. `--fps=0` is
+  refused; an `--fps` other than an npz's own is said (frames relabelled, not resampled)."""
+  solver = get_solver(tmp_path_factory)
+  off = solver.offsets * 1.1
+  pos = posed_clip(solver.rig, off, T=6, scale=0.3)
+  M = parse_input_axes('x,z,-y')  # rig = M @ input
+  np.savez(tmp_path / 'm.npz', positions=pos, offsets=off, fps=30.0)
+  np.savez(tmp_path / 'mm.npz', positions=(pos * 1000) @ M, offsets=(off * 1000) @ M, fps=30.0)
+  solve.solve_file(tmp_path / 'm.npz', tmp_path / 'm_out.npz', checkpoint=ckpt, log=_quiet)
+  said = []
+  solve.solve_file(tmp_path / 'mm.npz', tmp_path / 'mm_out.npz', checkpoint=ckpt, units='mm',
+                   input_axes='x,z,-y', fps=60.0, log=said.append)
+  assert any('--fps=60 replaces the input\'s own 30 fps' in m for m in said), said
+  with np.load(tmp_path / 'm_out.npz') as a, np.load(tmp_path / 'mm_out.npz') as b:
+    np.testing.assert_allclose(b['local_rot'], a['local_rot'], atol=2e-5)
+    np.testing.assert_allclose(b['offsets'], a['offsets'], atol=1e-6)
+    np.testing.assert_allclose(b['positions_fk'], a['positions_fk'], atol=1e-5)
+    assert str(b['units']) == 'm' and list(b['up']) == [0, 1, 0] and list(b['forward']) == [0, 0, 1]
+    assert float(b['input_units_m']) == 0.001 and float(a['input_units_m']) == 1.0
+    np.testing.assert_array_equal(b['input_axes'], M)
+    assert str(a['offsets_source']) == 'input'
+  solve.solve_file(tmp_path / 'm.npz', tmp_path / 'est.npz', checkpoint=ckpt,
+                   estimate_lengths=True, log=_quiet)
+  with np.load(tmp_path / 'est.npz') as z:
+    assert str(z['offsets_source']) == 'input, lengths estimated'
+  with pytest.raises(InputError, match='--fps must be a positive frame rate, got 0'):
+    solve.solve_file(tmp_path / 'm.npz', tmp_path / 'zero.npz', checkpoint=ckpt, fps=0.0)

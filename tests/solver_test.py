@@ -737,3 +737,87 @@ def test_positions_beyond_reach_are_refused_and_a_refused_stream_item_changes_no
   gap[9] = np.nan
   np.testing.assert_array_equal(solver.step(gap), solver.step(
       solver_lib.hold_missing_joints(gap[None], held, rig)[0][0]))
+
+
+def test_offsets_are_in_the_positions_units_and_axes(solver):
+  """`solve(positions, offsets=, units=, input_axes=)` converts the offsets with the positions
+  (as the end sites): millimetres and z-up data with their own offsets solve as the metres in
+  rig axes do. Offsets in other units than that (metres with millimetre positions) are refused
+  in one line: their bones are 1000x off the template's."""
+  rig = solver.rig
+  off = solver.offsets * 1.1
+  pos = posed_clip(rig, off, T=4, scale=0.3)
+  want = solver.solve(pos, offsets=off, full=True)
+  M = parse_input_axes('x,z,-y')  # rig = M @ input
+  for units, k, axes, R in (('mm', 1000.0, None, np.eye(3)), ('cm', 100.0, 'x,z,-y', M)):
+    given = (pos * k) @ R  # input = M^T rig: a row vector times M
+    got = solver.solve(given, offsets=(off * k) @ R, units=units, input_axes=axes, full=True)
+    np.testing.assert_allclose(got.local_rot, want.local_rot, atol=2e-5)
+    np.testing.assert_allclose(got.offsets, want.offsets, atol=1e-12)
+    np.testing.assert_allclose(got.positions_fk, want.positions_fk, atol=1e-5)
+  with pytest.raises(InputError, match=r'offsets: the bones are 0\.0011x the template.s.*positions. units'):
+    solver.solve(pos * 1000, offsets=off, units='mm')
+  with pytest.raises(InputError, match=r'offsets: the bones are 110x the template.s'):
+    solver.solve(pos, offsets=off * 100)
+
+
+def test_a_stream_hears_units_and_axes_at_its_first_frame(tmp_path_factory):
+  """`step` and `solve_stream` run `solve`'s units and axes checks on a stream's first whole
+  frame (not on every frame: a live loop hears it once, and again after `reset()`); `solve` on
+  single frames says each kind once per solver; every warning names the caller's line."""
+  solver = IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory))
+  pos = posed_clip(solver.rig, solver.offsets, T=5, scale=0.2)
+
+  def caught(fn):
+    with warnings.catch_warnings(record=True) as got:
+      warnings.simplefilter('always')
+      fn()
+    assert all(w.filename == __file__ for w in got), [(w.filename, w.lineno) for w in got]
+    return [str(w.message) for w in got]
+
+  for frames, says in ((pos, []), (pos * 1000, ['looks like millimetres: pass --units=mm']),
+                       (pos @ parse_input_axes('x,z,-y'), ['up axis looks wrong'])):
+    solver.reset()
+    msgs = caught(lambda: [solver.step(f) for f in frames])
+    assert len(msgs) == len(says) and all(s in m for s, m in zip(says, msgs)), msgs
+    solver.reset()
+    msgs = caught(lambda: list(solver.solve_stream(frames)))
+    assert len(msgs) == len(says) and all(s in m for s, m in zip(says, msgs)), msgs
+    assert caught(lambda: list(solver.solve_stream(frames))) == []  # the same stream
+  z_up = pos @ parse_input_axes('x,z,-y')
+  msgs = caught(lambda: [solver.solve(f) for f in z_up])
+  assert len(msgs) == 1 and 'up axis looks wrong' in msgs[0], msgs
+  assert len(caught(lambda: solver.solve(z_up))) == 1  # a clip: said every time
+
+
+def test_fps_and_offsets_set_start_a_new_stream(tmp_path_factory):
+  """Setting `fps` or new `offsets` starts a new stream, as `reset()` does: the held joints
+  (and the subject calibration's sums) of the frames before are forgotten."""
+  solver = IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory), hold_missing=True)
+  pos = posed_clip(solver.rig, solver.offsets, T=2, seed=6)
+  gap = pos[1].copy()
+  gap[9] = np.nan
+  for change in (lambda: setattr(solver, 'fps', 60.0),
+                 lambda: setattr(solver, 'offsets', solver.offsets * 1.05)):
+    solver.step(pos[0])
+    solver.step(gap)  # held from frame 0
+    change()
+    with pytest.raises(InputError, match='was not seen before it'):
+      solver.step(gap)
+
+
+def test_a_calibrated_stream_far_from_the_origin_is_the_stream_near_it(tmp_path_factory):
+  """The live subject calibration works on the frame `near_origin` moved, as the network does:
+  a stream 1,000 km away gives the stream at the origin's rotations (it was 0.5 deg off)."""
+  ckpt = tiny_checkpoint(tmp_path_factory)
+  off = IKSolver.from_checkpoint(ckpt).offsets
+  off = off + np.random.default_rng(8).normal(scale=0.01, size=off.shape) * (off != 0)
+  pos = posed_clip(skeleton.cmu_body(), off, T=6, seed=8)
+  out = []
+  for shift in (0.0, 1e6):
+    solver = IKSolver.from_checkpoint(ckpt, offsets=off, subject_calibration=True)
+    out.append(np.stack([solver.step(f + shift) for f in pos]))
+    solver.reset()
+    out.append(np.stack(list(solver.solve_stream(list(pos + shift)))))
+  for got in out[1:]:
+    np.testing.assert_allclose(got, out[0], atol=2e-5)

@@ -159,7 +159,8 @@ def _replace(tmp: Path, path: Path) -> None:
 @dataclasses.dataclass
 class PositionsFile:
   """What a reader found. positions: `[T, J, 3]` (input units and axes unless `metres_rig`);
-  offsets: `[J, 3]` metres or None; fps or None; metres_rig: already metres in rig axes (BVH);
+  offsets: `[J, 3]` in the positions' units and axes, or None; fps or None; metres_rig: already
+  metres (a BVH read at its units; its axes are still the file's: `--input_axes` applies);
   end_sites: `[T, E, 3]` the rig leaves' End Sites of a BVH that has them (metres, rig axes,
   NaN = none; issue G2), else None. A BVH also gives bvh_orders: per rig joint the rotation
   channel order of its source joint (`source_rotation_orders`), bvh_units_m: metres per
