@@ -25,7 +25,12 @@ few degrees from the subject's, so FK on the template misses the input (20 mm on
 `fit_offsets=True` (`full=True` only) then replaces the offsets after solving by the ones the
 solved rotations imply, `o_j = mean_t G_p,t^T (x_j,t - x_p,t)` (`fitted_offsets`): the rotations
 stay as they are, every bone vector is nearest the input's on average, and the output skeleton
-reproduces the input (1.4 mm; BENCHMARKS.md "Without the subject's offsets").
+reproduces the input (1.4 mm; BENCHMARKS.md "Without the subject's offsets"). Offsets given
+to `solve` are in the positions' units and axes (`units`, `input_axes` convert both).
+
+Size (`size_normalization`, default on): the network sees each body scaled to the template's
+size (`inference.size_scale`: from the offsets, or each frame's bones where they are the
+template's); outputs keep the input's size, and any scale of a body gives the same rotations.
 
 Compilation. One jitted forward (model merged, deterministic) over `[b, J, 3]` with b a bucket:
 1, 2, 4, ... up to `block_size` (a power-of-two ladder, ending at `block_size`). A batch is
