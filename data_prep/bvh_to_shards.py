@@ -41,6 +41,7 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 from data_prep import conversion  # noqa: E402
+from experiments.common import run_main  # noqa: E402
 from ik_gat_jax.errors import ConversionError  # noqa: E402
 from ik_gat_jax.io import bvh  # noqa: E402
 
@@ -104,4 +105,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  run_main(main)

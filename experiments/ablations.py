@@ -34,12 +34,12 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 from flax import nnx
 import jax
 import numpy as np
 
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax import data as data_lib
 from ik_gat_jax import evaluation, inference, input_pipeline, iterative_ik
 from ik_gat_jax.io import atomic
@@ -437,4 +437,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  run_main(main)

@@ -14,16 +14,17 @@ trained on. --max_frames sets the frames every method runs on (iterative ones in
 budget of the accuracy, noise and speed rows (10 with --smoke, else 100); --refine_iters adds
 IK-GAT + refinement rows (and + the prior's refinement at the largest budget); --mirror (default
 on, off with --smoke) IK-GAT with mirror averaging, alone and before the prior's refinement.
-Run it on a quiet machine: every other process skews the timings. Expected time on the 2-core
+A refused command (e.g. --max_frames=-4, --iters=0, a missing split) leaves no --output_dir
+behind. Run it on a quiet machine: every other process skews the timings. Expected time on the 2-core
 CPU: --smoke under a minute, --quick a few minutes, full longer (tens of minutes).
 """
 
 import sys
 
-from absl import app, flags
+from absl import flags
 
 from experiments import benchmark_suite as benchmark
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, no_empty_folder_left, run_main
 
 _OUTPUT = flags.DEFINE_string('output_dir', None, 'Where benchmark.json, tables.md, PNGs go.')
 _CHECKPOINTS = flags.DEFINE_string('checkpoints', None,
@@ -46,15 +47,33 @@ _REFINE = flags.DEFINE_list('refine_iters', [], 'Also IK-GAT + N refinement iter
                             '(amortized + refine), e.g. 20,50.')
 
 
+def _refine_iters(values: list[str]) -> tuple[int, ...]:
+  """`--refine_iters` as positive ints; a one-line ValueError otherwise."""
+  try:
+    iters = tuple(int(v) for v in values)
+  except ValueError:
+    iters = ()
+  if len(iters) != len(values) or any(n < 1 for n in iters):
+    raise ValueError(f'--refine_iters must be positive numbers of iterations, got '
+                     f'{",".join(values)}')
+  return iters
+
+
 @fail_on_user_error
 def main(argv):
   del argv
   if _QUICK.value and _SMOKE.value:
     raise ValueError('pass at most one of --quick and --smoke')
+  # Refused before --output_dir is made (a refusal found later removes it again if empty).
+  if _MAX_FRAMES.value is not None and _MAX_FRAMES.value < 0:
+    raise ValueError(f'--max_frames must be a number of frames >= 0 (0: the whole split), got '
+                     f'{_MAX_FRAMES.value}')
+  if _ITERS.value is not None and _ITERS.value < 1:
+    raise ValueError(f'--iters must be a positive number of iterations, got {_ITERS.value}')
   mode = 'smoke' if _SMOKE.value else 'quick' if _QUICK.value else 'full'
   config = benchmark.preset(mode, split=_SPLIT.value, max_frames=_MAX_FRAMES.value,
                             iters=_ITERS.value, bf16=_BF16.value, seed=_SEED.value,
-                            refine_iters=tuple(int(n) for n in _REFINE.value) or None,
+                            refine_iters=_refine_iters(_REFINE.value) or None,
                             mirror=_MIRROR.value)
   found = benchmark.resolve_checkpoints(_CHECKPOINTS.value, _PRIOR.value)
   data = _DATA.value or benchmark.default_data_dir(found)
@@ -62,11 +81,11 @@ def main(argv):
     raise FileNotFoundError('no shard directory: pass --data=DIR (no checkpoint names one that '
                             'exists)')
   command = ' '.join(['python -m experiments.benchmark', *sys.argv[1:]])
-  benchmark.run_suite(data, _OUTPUT.value, config, found, command=command)
+  with no_empty_folder_left(_OUTPUT.value):
+    benchmark.run_suite(data, _OUTPUT.value, config, found, command=command)
 
 
 if __name__ == '__main__':
   # Marked here, not at import: importing a main (tests do) must not make its flags
   # required for every other absl program in the same process.
-  flags.mark_flags_as_required(['output_dir'])
-  app.run(main)
+  run_main(main, required=['output_dir'])

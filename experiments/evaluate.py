@@ -34,86 +34,105 @@ default (BENCHMARKS.md "Subject size").
 
 from pathlib import Path
 
-from absl import app, flags
+from absl import flags
 
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax import data, evaluation, iterative_ik, provenance, temporal
 from ik_gat_jax.io import atomic
 
-_DATA = flags.DEFINE_string('data', None, 'Shard directory.')
-_SPLIT = flags.DEFINE_string('split', 'test', 'Split to evaluate.')
-_METHOD = flags.DEFINE_enum('method', None, ['ikgat', 'iterative', 'iterative_noprior', 'swing',
-                                             'mean_pose'], 'Method.')
-_CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'IK-GAT run or checkpoint directory.')
-_PRIOR = flags.DEFINE_string('prior', None, 'Pose-prior run or checkpoint directory.')
-_ITERS = flags.DEFINE_integer('iters', 100, 'Iterations per frame (iterative methods; cold).')
-_WARM_ITERS = flags.DEFINE_integer('warm_iters', None, 'Iterations of warm-started frames.')
-_WINDOW = flags.DEFINE_integer('window', None, 'Warm-start window length (frames).')
-_LR = flags.DEFINE_float('lr', None, 'Solver learning rate (default: SolverConfig).')
-_W_Z = flags.DEFINE_float('w_z', None, 'Latent penalty weight.')
-_INIT_ROOT = flags.DEFINE_enum('init_root', 'analytic', ['analytic', 'identity'],
-                               'Cold-start root rotation.')
-_OPTIMIZER = flags.DEFINE_enum('optimizer', 'adam', ['adam', 'lbfgs'], 'Solver optimizer.')
-_REFINE = flags.DEFINE_integer('refine_iters', 0, 'ikgat only: refine its output with this many '
-                               'anchored iterations (0: off; --refine_prior).', lower_bound=0)
-_REFINE_LR = flags.DEFINE_float('refine_lr', None, 'Learning rate of the refinement (default: '
-                                 'iterative_ik.REFINE_DEFAULTS).')
-_W_ANCHOR = flags.DEFINE_float('w_anchor', None, 'Refinement: weight pulling toward IK-GAT '
-                               '(default: iterative_ik.REFINE_DEFAULTS).')
-_ANCHOR_RELATIVE = flags.DEFINE_boolean('anchor_relative', None, 'Refinement: --w_anchor '
-                                        'relative to the initial residual (default: on).')
-_REFINE_PRIOR = flags.DEFINE_boolean('refine_prior', True, 'Refinement: with the pose prior '
-                                     '(--prior, default the shipped one; '
-                                     'iterative_ik.PRIOR_REFINE_DEFAULTS); --norefine_prior: '
-                                     'anchored to IK-GAT only (REFINE_DEFAULTS).')
-_W_PRIOR = flags.DEFINE_float('w_prior', None, 'Refinement: weight of the prior term (default: '
-                              'iterative_ik.PRIOR_REFINE_DEFAULTS).')
-_PRECISION = flags.DEFINE_enum('matmul_precision', 'float32', ['float32', 'bfloat16'],
-                               'ikgat only: the network\'s large products in float32, or with '
-                               'bfloat16 inputs and float32 sums (model.set_matmul_precision).')
-_MIRROR = flags.DEFINE_boolean('mirror', False, 'ikgat only: test-time mirror averaging (the '
-                               'network also solves the mirror-image input; the geodesic '
-                               'midpoint of both, before any refinement; twice the network).')
-_FIT_TRANSLATION = flags.DEFINE_boolean('fit_translation', None, 'Fit the root translation '
-                                        '(least squares) instead of taking the input root '
-                                        'joint\'s: iterative solvers (default: off) and the '
-                                        'refinement (default: on).')
-_SUBJECT_CAL = flags.DEFINE_boolean('subject_calibration', False, 'Turn the joints whose '
-                                    'children branch (the root, the chest) by each file\'s '
-                                    'subject\'s biases there, measured on the file\'s input '
-                                    'frames (ik_gat_jax/subject_calibration.py).')
-_SIZE = flags.DEFINE_boolean('size_normalization', False, 'ikgat only: the network sees each '
-                             'body at the rig template\'s size, as IKSolver does by default.')
-_SUBJECT_SCALE = flags.DEFINE_float('subject_scale', 1.0, 'Every body this many times its size '
-                                    '(positions and offsets; the rotations are the same).')
-_OFFSETS = flags.DEFINE_enum('offsets', 'subject', list(evaluation.OFFSETS), 'Rest offsets '
-                             'given to the method: each subject\'s own, or the rig\'s template '
-                             '(what the solver takes for positions alone); errors stay against '
-                             'the subject\'s own rotations.')
-_WARM = flags.DEFINE_boolean('warm_start', False, 'Warm start over windows of each clip.')
-_NOISE = flags.DEFINE_float('noise_mm', 0.0, 'Gaussian input noise per coordinate (mm).',
-                             lower_bound=0.0)
-_MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate about this many frames: each '
-                                   'file its share, rounded up (up to one more per file; '
-                                   'evaluation.select_frames); 0: all.')
-_BATCH = flags.DEFINE_integer('batch_size', None, 'Frames per solver call.')
-_SEED = flags.DEFINE_integer('seed', 0, 'Noise seed.')
-_OUTPUT = flags.DEFINE_string('output_json', None, 'Result file (written atomically); without '
-                               'it only the table is printed.')
-_TRACKERS = flags.DEFINE_string('trackers', 'full', 'Observed joints: full, a named subset '
-                                '(6, 10) or joint names A,B,C (ikgat with joint masks only).')
-_JOINT_DROPOUT = flags.DEFINE_float('joint_dropout', 0.0, 'Drop each observed joint with this '
-                                    'probability (seeded by --seed).', lower_bound=0.0,
-                                    upper_bound=1.0)
-_ORIENTATIONS = flags.DEFINE_list('orientations', [], 'Joints whose true world rotation is '
-                                  'given (ikgat with orientation_inputs only).')
-_END_SITES = flags.DEFINE_boolean('end_sites', False, 'Give the true end sites of the leaves '
-                                  '(ikgat with end_sites only; shards with end sites).')
-_FILTER = flags.DEFINE_enum('filter', None, ['none', 'one_euro'], 'Causal temporal filter of the '
-                            'output rotations, per file (default: the checkpoint\'s, else none).')
-_FILTER_MIN_CUTOFF = flags.DEFINE_float('filter_min_cutoff', None, 'One-Euro cutoff at rest (Hz).')
-_FILTER_BETA = flags.DEFINE_float('filter_beta', None, 'One-Euro cutoff slope (Hz per rad/s).')
-_FILTER_D_CUTOFF = flags.DEFINE_float('filter_d_cutoff', None, 'One-Euro velocity cutoff (Hz).')
+# The flags, defined only when the main runs (`define_flags`): importing this module claims no
+# flag names another absl main in the same process may own.
+(_DATA, _SPLIT, _METHOD, _CHECKPOINT, _PRIOR, _ITERS, _WARM_ITERS, _WINDOW, _LR, _W_Z,
+ _INIT_ROOT, _OPTIMIZER, _REFINE, _REFINE_LR, _W_ANCHOR, _ANCHOR_RELATIVE, _REFINE_PRIOR,
+ _W_PRIOR, _PRECISION, _MIRROR, _FIT_TRANSLATION, _SUBJECT_CAL, _SIZE, _SUBJECT_SCALE, _OFFSETS,
+ _WARM, _NOISE, _MAX_FRAMES, _BATCH, _SEED, _OUTPUT, _TRACKERS, _JOINT_DROPOUT, _ORIENTATIONS,
+ _END_SITES, _FILTER, _FILTER_MIN_CUTOFF, _FILTER_BETA, _FILTER_D_CUTOFF) = (None,) * 39
+
+
+def define_flags() -> None:
+  """Defines the main's flags (once; the module-level holders above)."""
+  global _DATA, _SPLIT, _METHOD, _CHECKPOINT, _PRIOR, _ITERS, _WARM_ITERS, _WINDOW, _LR, _W_Z
+  global _INIT_ROOT, _OPTIMIZER, _REFINE, _REFINE_LR, _W_ANCHOR, _ANCHOR_RELATIVE, _REFINE_PRIOR
+  global _W_PRIOR, _PRECISION, _MIRROR, _FIT_TRANSLATION, _SUBJECT_CAL, _SIZE, _SUBJECT_SCALE
+  global _OFFSETS, _WARM, _NOISE, _MAX_FRAMES, _BATCH, _SEED, _OUTPUT, _TRACKERS, _JOINT_DROPOUT
+  global _ORIENTATIONS, _END_SITES, _FILTER, _FILTER_MIN_CUTOFF, _FILTER_BETA, _FILTER_D_CUTOFF
+  if _DATA is not None:
+    return
+  _DATA = flags.DEFINE_string('data', None, 'Shard directory.')
+  _SPLIT = flags.DEFINE_string('split', 'test', 'Split to evaluate.')
+  _METHOD = flags.DEFINE_enum('method', None, ['ikgat', 'iterative', 'iterative_noprior', 'swing',
+                                               'mean_pose'], 'Method.')
+  _CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'IK-GAT run or checkpoint directory.')
+  _PRIOR = flags.DEFINE_string('prior', None, 'Pose-prior run or checkpoint directory.')
+  _ITERS = flags.DEFINE_integer('iters', 100, 'Iterations per frame (iterative methods; cold).')
+  _WARM_ITERS = flags.DEFINE_integer('warm_iters', None, 'Iterations of warm-started frames.')
+  _WINDOW = flags.DEFINE_integer('window', None, 'Warm-start window length (frames).')
+  _LR = flags.DEFINE_float('lr', None, 'Solver learning rate (default: SolverConfig).')
+  _W_Z = flags.DEFINE_float('w_z', None, 'Latent penalty weight.')
+  _INIT_ROOT = flags.DEFINE_enum('init_root', 'analytic', ['analytic', 'identity'],
+                                 'Cold-start root rotation.')
+  _OPTIMIZER = flags.DEFINE_enum('optimizer', 'adam', ['adam', 'lbfgs'], 'Solver optimizer.')
+  _REFINE = flags.DEFINE_integer('refine_iters', 0, 'ikgat only: refine its output with this many '
+                                 'anchored iterations (0: off; --refine_prior).', lower_bound=0)
+  _REFINE_LR = flags.DEFINE_float('refine_lr', None, 'Learning rate of the refinement (default: '
+                                   'iterative_ik.REFINE_DEFAULTS).')
+  _W_ANCHOR = flags.DEFINE_float('w_anchor', None, 'Refinement: weight pulling toward IK-GAT '
+                                 '(default: iterative_ik.REFINE_DEFAULTS).')
+  _ANCHOR_RELATIVE = flags.DEFINE_boolean('anchor_relative', None, 'Refinement: --w_anchor '
+                                          'relative to the initial residual (default: on).')
+  _REFINE_PRIOR = flags.DEFINE_boolean('refine_prior', True, 'Refinement: with the pose prior '
+                                       '(--prior, default the shipped one; '
+                                       'iterative_ik.PRIOR_REFINE_DEFAULTS); --norefine_prior: '
+                                       'anchored to IK-GAT only (REFINE_DEFAULTS).')
+  _W_PRIOR = flags.DEFINE_float('w_prior', None, 'Refinement: weight of the prior term (default: '
+                                'iterative_ik.PRIOR_REFINE_DEFAULTS).')
+  _PRECISION = flags.DEFINE_enum('matmul_precision', 'float32', ['float32', 'bfloat16'],
+                                 'ikgat only: the network\'s large products in float32, or with '
+                                 'bfloat16 inputs and float32 sums (model.set_matmul_precision).')
+  _MIRROR = flags.DEFINE_boolean('mirror', False, 'ikgat only: test-time mirror averaging (the '
+                                 'network also solves the mirror-image input; the geodesic '
+                                 'midpoint of both, before any refinement; twice the network).')
+  _FIT_TRANSLATION = flags.DEFINE_boolean('fit_translation', None, 'Fit the root translation '
+                                          '(least squares) instead of taking the input root '
+                                          'joint\'s: iterative solvers (default: off) and the '
+                                          'refinement (default: on).')
+  _SUBJECT_CAL = flags.DEFINE_boolean('subject_calibration', False, 'Turn the joints whose '
+                                      'children branch (the root, the chest) by each file\'s '
+                                      'subject\'s biases there, measured on the file\'s input '
+                                      'frames (ik_gat_jax/subject_calibration.py).')
+  _SIZE = flags.DEFINE_boolean('size_normalization', False, 'ikgat only: the network sees each '
+                               'body at the rig template\'s size, as IKSolver does by default.')
+  _SUBJECT_SCALE = flags.DEFINE_float('subject_scale', 1.0, 'Every body this many times its size '
+                                      '(positions and offsets; the rotations are the same).')
+  _OFFSETS = flags.DEFINE_enum('offsets', 'subject', list(evaluation.OFFSETS), 'Rest offsets '
+                               'given to the method: each subject\'s own, or the rig\'s template '
+                               '(what the solver takes for positions alone); errors stay against '
+                               'the subject\'s own rotations.')
+  _WARM = flags.DEFINE_boolean('warm_start', False, 'Warm start over windows of each clip.')
+  _NOISE = flags.DEFINE_float('noise_mm', 0.0, 'Gaussian input noise per coordinate (mm).',
+                               lower_bound=0.0)
+  _MAX_FRAMES = flags.DEFINE_integer('max_frames', None, 'Evaluate about this many frames: each '
+                                     'file its share, rounded up (up to one more per file; '
+                                     'evaluation.select_frames); 0: all.')
+  _BATCH = flags.DEFINE_integer('batch_size', None, 'Frames per solver call.')
+  _SEED = flags.DEFINE_integer('seed', 0, 'Noise seed.')
+  _OUTPUT = flags.DEFINE_string('output_json', None, 'Result file (written atomically); without '
+                                 'it only the table is printed.')
+  _TRACKERS = flags.DEFINE_string('trackers', 'full', 'Observed joints: full, a named subset '
+                                  '(6, 10) or joint names A,B,C (ikgat with joint masks only).')
+  _JOINT_DROPOUT = flags.DEFINE_float('joint_dropout', 0.0, 'Drop each observed joint with this '
+                                      'probability (seeded by --seed).', lower_bound=0.0,
+                                      upper_bound=1.0)
+  _ORIENTATIONS = flags.DEFINE_list('orientations', [], 'Joints whose true world rotation is '
+                                    'given (ikgat with orientation_inputs only).')
+  _END_SITES = flags.DEFINE_boolean('end_sites', False, 'Give the true end sites of the leaves '
+                                    '(ikgat with end_sites only; shards with end sites).')
+  _FILTER = flags.DEFINE_enum('filter', None, ['none', 'one_euro'], 'Causal temporal filter of the '
+                              'output rotations, per file (default: the checkpoint\'s, else none).')
+  _FILTER_MIN_CUTOFF = flags.DEFINE_float('filter_min_cutoff', None,
+                                          'One-Euro cutoff at rest (Hz).')
+  _FILTER_BETA = flags.DEFINE_float('filter_beta', None, 'One-Euro cutoff slope (Hz per rad/s).')
+  _FILTER_D_CUTOFF = flags.DEFINE_float('filter_d_cutoff', None, 'One-Euro velocity cutoff (Hz).')
 
 
 def solver_config():
@@ -186,5 +205,4 @@ def main(argv):
 if __name__ == '__main__':
   # Marked here, not at import: importing a main (tests do) must not make its flags
   # required for every other absl program in the same process.
-  flags.mark_flags_as_required(['data', 'method'])
-  app.run(main)
+  run_main(main, define_flags, required=['data', 'method'])

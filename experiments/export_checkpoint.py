@@ -5,8 +5,9 @@
 
 The checkpoint keeps its own meta (config, rig with template offsets, training command, val
 metrics, provenance, format version), so loading it needs nothing from ../shared. The card
-(README.md beside it) records the training command, the test metrics when given, and the CMU
-acknowledgment. `export_run` is the same as a library call (experiments.train_rig uses it).
+(README.md beside it) records the checkpoint's step and the steps the run trained ("checkpoint:
+step 9500 (best val) of 10000 trained"), the training command, the test metrics when given, and
+the CMU acknowledgment. `export_run` is the same as a library call (experiments.train_rig uses it).
 """
 
 import json
@@ -16,9 +17,9 @@ import re
 import shutil
 import tempfile
 
-from absl import app, flags
+from absl import flags
 
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax import checkpointing
 
 _RUN = _OUT = _TEST = _REPORT = _TASK = None  # flag holders, set by define_flags()
@@ -45,14 +46,36 @@ def _as_module(command: str) -> str:
   return re.sub(r'^\S*/(experiments|data_prep)/(\w+)\.py', r'python -m \1.\2', command)
 
 
+def checkpoint_steps(step: int, trained: int | None, validated: bool) -> str:
+  """The card's 'checkpoint: step 40 (best val) of 60 trained': the exported checkpoint's
+  `step`, which the best validation chose (`validated`) or the last (a run without a val
+  split), and the steps the run trained (`trained`; None: unknown, left out)."""
+  which = 'best val' if validated else 'not validated'
+  return f'checkpoint: step {step} ({which})' + (f' of {trained} trained' if trained else '')
+
+
+def trained_steps(run: str | os.PathLike) -> int | None:
+  """The steps `run` trained: its latest checkpoint's step, else run.json's; None without
+  either (a bare checkpoint directory)."""
+  latest, run_json = Path(run) / 'checkpoints' / 'latest', Path(run) / 'run.json'
+  step = (checkpointing.Checkpointer(latest, create=False).latest_step() if latest.is_dir()
+          else None)
+  if step is None and run_json.is_file():
+    step = json.loads(run_json.read_text()).get('step')
+  return step if isinstance(step, int) else None
+
+
 def card(meta: dict, test: dict | None, size_bytes: int, name: str,
          acknowledgment: str | None = ACK, test_heading: str = 'Test split',
-         extra: str = '') -> str:
-  """The README card; `extra` (markdown) goes before the acknowledgment (None: no such section)."""
+         extra: str = '', trained: int | None = None) -> str:
+  """The README card of the checkpoint of `meta` (its step: `meta['step']`) from a run that
+  trained `trained` steps (None: unknown); `extra` (markdown) goes before the acknowledgment
+  (None: no such section)."""
   m = meta['metrics']
   lines = [f"# {name}", '',
            f"Task: {meta['task']}; rig: {meta['rig']['name']} ({len(meta['rig']['joint_names'])} "
-           f"joints); trained steps: {meta['step']}; size on disk: {size_bytes / 1e6:.1f} MB "
+           f"joints); {checkpoint_steps(meta['step'], trained, bool(m))}; "
+           f"size on disk: {size_bytes / 1e6:.1f} MB "
            '(parameters only, no optimizer state); checkpoint format version '
            f"{meta['format_version']}.", '',
            f"Training command: `{_as_module(meta['command'])}`", '',
@@ -130,7 +153,8 @@ def export_run(run: str | os.PathLike, output: str | os.PathLike, *, task: str =
     size = sum(f.stat().st_size for f in tmp.rglob('*') if f.is_file())
     (tmp / 'README.md').write_text(card({**meta, 'step': step}, test, size, name=out.name,
                                         acknowledgment=acknowledgment,
-                                        test_heading=test_heading, extra=extra))
+                                        test_heading=test_heading, extra=extra,
+                                        trained=trained_steps(run)))
     if report_json:
       report = json.loads(Path(report_json).read_text())
       shutil.copy(report_json, tmp / Path(report_json).name)
@@ -165,6 +189,4 @@ def main(argv):
 if __name__ == '__main__':
   # Marked here, not at import: importing a main (tests do) must not make its flags
   # required for every other absl program in the same process.
-  define_flags()
-  flags.mark_flags_as_required(['run', 'output'])
-  app.run(main)
+  run_main(main, define_flags, required=['run', 'output'])

@@ -6,7 +6,10 @@
 
 Rerunning with the same --workdir resumes from its latest checkpoint (on any number of devices);
 a finished run says so and exits 0, a higher --steps trains further, a lower one than it was
-trained to is refused (the run left as it was). --config defaults to this package's
+trained to is refused, and so is other data or another config (one line naming the keys; only
+--steps, the log, eval and checkpoint intervals, prefetch, eval batch size and ema_decay may
+change: ik_gat_jax.train.RESUME_MAY_CHANGE), the run left as it was. A mistyped
+--config.* key is refused in one line. --config defaults to this package's
 configs/default.py, from any working directory.
 Training uses every device it sees (the batch split over them, DESIGN section 8). On several
 hosts run the same command on each: --distributed starts `jax.distributed` (by default it starts
@@ -17,22 +20,29 @@ JAX_PROCESS_ID, SLURM or Open MPI with several tasks, a multi-host Cloud TPU).
 from pathlib import Path
 import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax import train
 
 CONFIG_DIR = Path(__file__).resolve().parent / 'configs'
-_CONFIG = config_flags.DEFINE_config_file('config', str(CONFIG_DIR / 'default.py'),
-                                          'Training config file.', lock_config=False)
-_DATA = flags.DEFINE_string('data', None, 'Shard directory (from data_prep.bvh_to_shards).')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory; an existing one is resumed.')
-_STEPS = flags.DEFINE_integer('steps', None, 'Training steps (overrides the config).')
-_SIZE = flags.DEFINE_enum('size', None, ['tiny', 'small', 'base', 'large'], 'Model size.')
-_DISTRIBUTED = flags.DEFINE_bool(
-    'distributed', None, 'Start jax.distributed (several hosts); unset: only when a cluster '
-    "launcher's environment is present.")
+_CONFIG = _DATA = _WORKDIR = _STEPS = _SIZE = _DISTRIBUTED = None  # set by define_flags()
+
+
+def define_flags() -> None:
+  """The main's flags, defined only when it runs (importing it claims no --data, --config ...);
+  the default config file parses its --config.* overrides here."""
+  global _CONFIG, _DATA, _WORKDIR, _STEPS, _SIZE, _DISTRIBUTED
+  _CONFIG = config_flags.DEFINE_config_file('config', str(CONFIG_DIR / 'default.py'),
+                                            'Training config file.', lock_config=False)
+  _DATA = flags.DEFINE_string('data', None, 'Shard directory (from data_prep.bvh_to_shards).')
+  _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory; an existing one is resumed.')
+  _STEPS = flags.DEFINE_integer('steps', None, 'Training steps (overrides the config).')
+  _SIZE = flags.DEFINE_enum('size', None, ['tiny', 'small', 'base', 'large'], 'Model size.')
+  _DISTRIBUTED = flags.DEFINE_bool(
+      'distributed', None, 'Start jax.distributed (several hosts); unset: only when a cluster '
+      "launcher's environment is present.")
 
 
 @fail_on_user_error
@@ -57,5 +67,4 @@ def main(argv):
 if __name__ == '__main__':
   # Marked here, not at import: importing a main (tests do) must not make its flags
   # required for every other absl program in the same process.
-  flags.mark_flags_as_required(['data', 'workdir'])
-  app.run(main)
+  run_main(main, define_flags, required=['data', 'workdir'])

@@ -3,7 +3,8 @@
   python -m experiments.train_prior --data=DIR --workdir=DIR [--steps=N]
       [--config=experiments/configs/prior.py] [--config.model.kl_weight=...]
 
-Rerunning with the same --workdir resumes. At the end it reports val reconstruction (deg, mm),
+Rerunning with the same --workdir resumes (another config or other data is refused in one
+line, as in experiments.train). At the end it reports val reconstruction (deg, mm),
 active latent dimensions and sample realism, printed and in WORKDIR/prior_report.json. A
 finished run with its report says so and exits 0; a lower --steps than it was trained to is
 refused. --config defaults to this package's configs/prior.py, from any working directory.
@@ -12,19 +13,26 @@ refused. --config defaults to this package's configs/prior.py, from any working 
 from pathlib import Path
 import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax import data, inference, prior_task, train, vposer
 from ik_gat_jax.io import atomic
 
 CONFIG_DIR = Path(__file__).resolve().parent / 'configs'
-_CONFIG = config_flags.DEFINE_config_file('config', str(CONFIG_DIR / 'prior.py'),
-                                          'Prior config file.', lock_config=False)
-_DATA = flags.DEFINE_string('data', None, 'Shard directory.')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory; an existing one is resumed.')
-_STEPS = flags.DEFINE_integer('steps', None, 'Training steps (overrides the config).')
+_CONFIG = _DATA = _WORKDIR = _STEPS = None  # set by define_flags()
+
+
+def define_flags() -> None:
+  """The main's flags, defined only when it runs (importing it claims no --data, --config ...);
+  the default config file parses its --config.* overrides here."""
+  global _CONFIG, _DATA, _WORKDIR, _STEPS
+  _CONFIG = config_flags.DEFINE_config_file('config', str(CONFIG_DIR / 'prior.py'),
+                                            'Prior config file.', lock_config=False)
+  _DATA = flags.DEFINE_string('data', None, 'Shard directory.')
+  _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory; an existing one is resumed.')
+  _STEPS = flags.DEFINE_integer('steps', None, 'Training steps (overrides the config).')
 
 
 @fail_on_user_error
@@ -64,5 +72,4 @@ def main(argv):
 if __name__ == '__main__':
   # Marked here, not at import: importing a main (tests do) must not make its flags
   # required for every other absl program in the same process.
-  flags.mark_flags_as_required(['data', 'workdir'])
-  app.run(main)
+  run_main(main, define_flags, required=['data', 'workdir'])

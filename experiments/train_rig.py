@@ -62,12 +62,12 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from data_prep import conversion
 from experiments import export_checkpoint
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, run_main
 from experiments.configs import default as default_config
 from experiments.configs import prior as prior_config
 from ik_gat_jax import checkpointing, data, evaluation, inference, iterative_ik, prior_task
@@ -711,5 +711,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  define_flags()
-  app.run(main)
+  run_main(main, define_flags)

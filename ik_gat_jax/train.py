@@ -572,10 +572,45 @@ def finished_run(workdir: str | os.PathLike, steps: int) -> dict | None:
   return run
 
 
+# What a rerun may change and still resume the run (`_check_resumable`): `train.steps` (not
+# below the step it is trained to; the cosine schedule then decays over the new count); how
+# often it logs, validates and saves, and how it reads and batches (`log_every`, `eval_every`,
+# `checkpoint_every`, `prefetch`, `eval_batch_size`): the parameters train the same; and
+# `ema_decay`, whether validation and `best` use a moving average of the parameters (the
+# parameters train the same; a log line says what happens to the average). The data is
+# compared by content (`_check_same_data`), not by path, so moved shards resume.
+RESUME_MAY_CHANGE = ('data', 'train.steps', 'train.log_every', 'train.eval_every',
+                     'train.checkpoint_every', 'train.prefetch', 'train.eval_batch_size',
+                     'train.ema_decay')
+
+
+def _flat(d: Mapping, prefix: str = '') -> dict:
+  """{'a': {'b': 1}} -> {'a.b': 1}, as JSON values (tuples as lists)."""
+  out = {}
+  for k, v in json.loads(json.dumps(dict(d))).items():
+    if isinstance(v, dict) and v:
+      out.update(_flat(v, f'{prefix}{k}.'))
+    else:
+      out[f'{prefix}{k}'] = v
+  return out
+
+
+def training_config_diff(saved: Mapping | None, current: Mapping | None) -> list[str]:
+  """The dotted keys (sorted) in which two run configs differ outside `model`
+  (`model_config_diff`) and `RESUME_MAY_CHANGE`; a key one of them lacks (a config written
+  before it existed) counts as equal when the other's value is off (False, 0, None, '', [])."""
+  a, b = (_flat({k: v for k, v in dict(x or {}).items() if k != 'model'})
+          for x in (saved, current))
+  off = lambda v: v in (False, None, '', [], {})  # noqa: E731  (0 == False)
+  return sorted(k for k in set(a) | set(b) if k not in RESUME_MAY_CHANGE and (
+      (a[k] != b[k]) if k in a and k in b else not off(a[k] if k in a else b[k])))
+
+
 def _check_resumable(workdir: Path, config) -> dict | None:
   """The meta of `workdir`'s latest checkpoint (None for a fresh run); a ValueError when it is
-  trained past `train.steps`, a CheckpointError when its model config differs. Writes
-  nothing, so a refused rerun leaves the run as it was."""
+  trained past `train.steps` or its config differs outside `RESUME_MAY_CHANGE` (naming the
+  keys), a CheckpointError when its model config differs. Writes nothing, so a refused rerun
+  leaves the run as it was."""
   step = trained_step(workdir)
   if step is None:
     return None
@@ -594,7 +629,49 @@ def _check_resumable(workdir: Path, config) -> dict | None:
         f'{latest.directory} step {step}; '
         f'{_config_diff_text(saved_model, config.to_dict().get("model"), diff)}): '
         'use a new --workdir, or the model config of that run to resume it')
+  old, new = _flat(saved.get('config') or {}), _flat(config.to_dict())
+  diff = training_config_diff(saved.get('config'), config.to_dict())
+  if diff:  # resuming would make one run of two recipes, recorded as the second
+    val = lambda d, k: f'{json.dumps(d[k])[:40]}' if k in d else '(absent)'  # noqa: E731
+    was = ', '.join(f'--config.{k}={val(old, k)} (this config {val(new, k)})' for k in diff[:4])
+    more = f' (+{len(diff) - 4} more)' if len(diff) > 4 else ''
+    raise ValueError(f'{workdir} was trained with {was}{more}: rerun with its config '
+                     f'({workdir / "config.json"}) to resume it, or use a new --workdir')
   return saved
+
+
+def _check_same_data(workdir: Path, saved: dict | None, data_info: dict) -> None:
+  """A ValueError when the run `saved` (its latest checkpoint's meta; None: a fresh run) was
+  trained on other shards than `data_info` (`provenance.data_provenance`): another rig, split
+  or frame counts; the same shards at another path resume."""
+  if saved is None or not saved.get('data'):
+    return
+  was = saved['data']
+  diff = [k.removesuffix('_sha256') for k in ('rig_sha256', 'split_sha256', 'frames')
+          if k in was and was[k] != data_info.get(k)]
+  if diff:
+    raise ValueError(f'{workdir} was trained on other data ({was.get("data_dir")}; its '
+                     f'{", ".join(diff)} differ from {data_info["data_dir"]}\'s): rerun with '
+                     'that --data to resume it, or use a new --workdir')
+
+
+def _truncate_log(path: Path, step: int) -> None:
+  """Drops the rows of `path` (log.jsonl) logged after `step`, the step a run resumes from,
+  and a torn last row (a killed write), so the log reads as one uninterrupted run; rewritten
+  atomically, and only when something goes."""
+  if not path.is_file():
+    return
+  lines = path.read_text().splitlines(keepends=True)
+  keep = []
+  for line in lines:
+    try:
+      row = json.loads(line)
+    except ValueError:
+      continue
+    if isinstance(row, dict) and isinstance(row.get('step'), int) and row['step'] <= step:
+      keep.append(line if line.endswith('\n') else line + '\n')
+  if keep != lines:
+    atomic.write_text(path, ''.join(keep))
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
@@ -602,13 +679,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                        mesh: Mesh | None = None) -> dict:
   """Trains `task` on `config.data` split 'train', validating on 'val' if present.
 
-  Rerunning with the same `workdir` resumes from `checkpoints/latest`, on any mesh; a run
-  already finished at `train.steps` is left untouched (one line says so, and the recorded
-  validation metrics are returned), and one trained past `train.steps`, or with another model
-  config, or a config that cannot train (`check_train_config`) is refused before anything is
-  written. `mesh`
-  (default: every device of every process) shards each global batch of `config.train
-  .batch_size` frames, which must divide by its device count. With several processes
+  Rerunning with the same `workdir` resumes from `checkpoints/latest`, on any mesh, and drops
+  the rows of log.jsonl logged after that step (a killed run logs past its last checkpoint); a
+  run already finished at `train.steps` is left untouched (one line says so, and the recorded
+  validation metrics are returned). A run trained past `train.steps`, or with another config
+  (anything outside `RESUME_MAY_CHANGE`; another model config: a CheckpointError) or other
+  data, a config that cannot train (`check_train_config`), missing data, `init_from` or teacher
+  are refused before anything is written (a new `workdir` is not even made). `mesh` (default:
+  every device of every process) shards each global batch of `config.train.batch_size`
+  frames, which must divide by its device count. With several processes
   (`initialize_distributed`) each reads its own rows of every batch, all see the same `workdir`
   (a shared file system), and only process 0 logs and writes the JSON files. Returns the final
   validation metrics (or {} without a val split).
@@ -625,20 +704,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   if done is not None:
     log(f'already done: {workdir} is trained to step {tc.steps} (run.json); nothing to do')
     return done.get('val') or {}
-  workdir.mkdir(parents=True, exist_ok=True)
+  # Everything that can refuse the run (data, window rate, init_from, teacher) before the
+  # workdir is made: a refused command leaves no folder behind.
   train_data = data_lib.load_shards(config.data, 'train')
   val_data = (data_lib.load_shards(config.data, 'val')
               if 'val' in data_lib.available_splits(config.data) else None)
   rig = train_data.rig
   check_window_fps(config, train_data)
   data_info = provenance.data_provenance(train_data)
+  _check_same_data(workdir, saved, data_info)
   graphdef, state = init_state(task, config, rig, train_data)
-  latest = checkpointing.Checkpointer(workdir / 'checkpoints' / 'latest', max_to_keep=1)
-  if tc.get('init_from') and latest.latest_step() is None:  # a fresh run only; resume restores
+  if tc.get('init_from') and saved is None:  # a fresh run only; resume restores
     params, counts = warm_start_params(state['params'], tc.init_from, task)
     state = {**state, 'params': params, **({'ema': copy_tree(params)} if 'ema' in state else {})}
     log(f'initialised from {tc.init_from}: {counts["copied"]} parameters copied, '
         f'{counts["grown"]} grown (zeros in the new part), {counts["kept"]} newly initialised')
+  teacher = None
+  if tc.get('distill_from'):
+    teacher = load_teacher(tc.distill_from, task, config, rig)
+    log(f'distilling from {tc.distill_from}'
+        f'{", mirror-averaged" if tc.get("distill_mirror", False) else ""} (loss.distill_weight '
+        f'{config.loss.get("distill_weight", 1.0)})')
+  workdir.mkdir(parents=True, exist_ok=True)
+  latest = checkpointing.Checkpointer(workdir / 'checkpoints' / 'latest', max_to_keep=1)
   state = place_state(state, mesh)  # first: the abstract tree below takes this mesh's shardings
   best = checkpointing.Checkpointer(workdir / 'checkpoints' / 'best', max_to_keep=1)
   best_value = math.inf
@@ -672,13 +760,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   if chief:
     _write_run_json(workdir, {**manifest, 'step': int(state['step'])})
     atomic.write_json(workdir / 'config.json', config.to_dict())
+    _truncate_log(workdir / 'log.jsonl', int(state['step']))  # rows after the restored step go
 
-  teacher = None
-  if tc.get('distill_from'):
-    teacher = load_teacher(tc.distill_from, task, config, rig)
-    log(f'distilling from {tc.distill_from}'
-        f'{", mirror-averaged" if tc.get("distill_mirror", False) else ""} (loss.distill_weight '
-        f'{config.loss.get("distill_weight", 1.0)})')
   train_step = make_train_step(task, graphdef, config, rig, mesh, teacher)
   predict = make_predict(task, graphdef, config, rig, mesh)
   writer = MetricWriter(workdir, enabled=chief)

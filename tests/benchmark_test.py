@@ -279,3 +279,25 @@ def test_cli_missing_checkpoints_is_one_line_nonzero(tmp_path):
   assert p.returncode != 0
   assert 'does not exist' in p.stderr.strip().splitlines()[-1]
   assert not (tmp_path / 'benchmark.json').exists()
+
+
+def test_cli_refusals_leave_no_output_dir(cmu_shards, tmp_path):
+  """A refused benchmark leaves no --output_dir behind (nor its missing parents): a bad
+  --max_frames or --iters is refused before the folder is made, a missing split (found once
+  the suite starts) removes the folder it made."""
+  runs = {'frames': ['--max_frames=-4'], 'iters': ['--iters=0'], 'split': ['--split=nosuch']}
+  procs = {k: subprocess.Popen(
+      [sys.executable, '-m', 'experiments.benchmark', f'--output_dir={tmp_path / k / "rb"}',
+       '--smoke', f'--data={cmu_shards}', *args], text=True, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE) for k, args in runs.items()}
+  said = {}
+  for k, p in procs.items():
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2, (k, out[-2000:], err[-2000:])
+    said[k] = err.strip().splitlines()
+  assert said == {
+      'frames': ['error: --max_frames must be a number of frames >= 0 (0: the whole split), '
+                 'got -4'],
+      'iters': ['error: --iters must be a positive number of iterations, got 0'],
+      'split': [f"error: {cmu_shards} has no split 'nosuch'; it has: train, val"]}
+  assert list(tmp_path.iterdir()) == []

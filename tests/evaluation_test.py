@@ -215,7 +215,8 @@ def test_size_normalization_makes_any_subject_scale_the_same(cmu_shards, tiny_ik
 
 def test_cli_refuses_negative_noise_refinement_and_dropout():
   from absl import flags
-  from experiments import evaluate  # noqa: F401  (defines the flags)
+  from experiments import evaluate
+  evaluate.define_flags()
   for name, bad in (('noise_mm', '-1'), ('refine_iters', '-3'), ('joint_dropout', '1.5')):
     with pytest.raises(flags.IllegalFlagValueError):
       flags.FLAGS[name].parse(bad)

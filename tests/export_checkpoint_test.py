@@ -5,6 +5,7 @@ import os
 import pytest
 
 from experiments import export_checkpoint
+from ik_gat_jax import checkpointing
 from tests.solver_test import tiny_checkpoint
 
 
@@ -34,3 +35,18 @@ def test_export_replaces_an_export_and_refuses_any_other_folder(run, tmp_path):
       export_checkpoint.export_run(run, target, acknowledgment=None)
   assert (data / 'walk.bvh').read_text() == 'HIERARCHY' and (run / 'checkpoints').is_dir()
   assert sorted(p.name for p in tmp_path.iterdir()) == ['ckpt', 'mocap']  # no temporary left
+
+
+def test_the_card_says_which_step_of_how_many_it_ships(tiny_ikgat_run, run, tmp_path):
+  """The card names the exported checkpoint's step, what chose it, and the steps the run
+  trained (its latest checkpoint's), not the best step as the steps trained."""
+  done = export_checkpoint.export_run(tiny_ikgat_run, tmp_path / 'a', acknowledgment=None)
+  text = (tmp_path / 'a' / 'README.md').read_text()
+  assert f"; checkpoint: step {done['step']} (best val) of 20 trained;" in text, text
+  assert 'trained steps' not in text
+  meta = checkpointing.Checkpointer(tiny_ikgat_run / 'checkpoints' / 'best',
+                                    create=False).restore_meta()
+  assert '; checkpoint: step 40 (best val) of 60 trained;' in export_checkpoint.card(
+      {**meta, 'step': 40}, None, 10**6, 'x', trained=60)
+  export_checkpoint.export_run(run, tmp_path / 'b', acknowledgment=None)  # no run: steps unknown
+  assert '; checkpoint: step 0 (not validated); size' in (tmp_path / 'b' / 'README.md').read_text()

@@ -1,11 +1,14 @@
 """The experiment mains the tests import define no absl flags at import time: two mains that
 both claim --data (most do) would otherwise raise DuplicateFlagError in whichever test process
-imports the second one, depending on how pytest-xdist spreads the modules over workers."""
+imports the second one, depending on how pytest-xdist spreads the modules over workers. And
+every main's --help exits 0 (each in a process of its own: they claim the same flags)."""
 
 from pathlib import Path
 import re
 import subprocess
 import sys
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -16,7 +19,7 @@ def _mains_tests_import() -> list[str]:
     for line in f.read_text().splitlines():
       m = re.match(r'\s*from experiments import (.+)', line)
       if m:
-        names.update(n.strip() for n in m.group(1).split(',') if n.strip())
+        names.update(n.strip() for n in m.group(1).split('#')[0].split(',') if n.strip())
   return sorted(n.split(' as ')[0].strip() for n in names)
 
 
@@ -34,3 +37,40 @@ def test_imported_mains_define_no_flags_at_import():
   p = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True, text=True,
                      timeout=300)
   assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+
+
+def _help(mains: list[str]) -> dict[str, subprocess.CompletedProcess]:
+  """`python -m MAIN --help` of each main, side by side."""
+  procs = {m: subprocess.Popen([sys.executable, '-m', m, '--help'], cwd=REPO, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for m in mains}
+  done = {}
+  for m, p in procs.items():
+    try:
+      out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+      p.kill()
+      raise AssertionError(f'{m} --help: no answer within 120 s') from None
+    done[m] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+  return done
+
+
+# Each main, a flag of its own that its help lists.
+MAINS = {'experiments.train': 'workdir', 'experiments.train_prior': 'workdir',
+         'experiments.benchmark': 'output_dir', 'experiments.ablations': 'root',
+         'experiments.train_rig': 'bvh', 'experiments.export_checkpoint': 'run',
+         'data_prep.bvh_to_shards': 'input', 'ik_gat_jax.solve': 'input',
+         'experiments.evaluate': 'method'}
+
+
+def _check_help(main: str, p: subprocess.CompletedProcess, flag: str) -> None:
+  """Exit status 0, the module's usage and its own flags on stdout, nothing on stderr."""
+  assert p.returncode == 0, (main, p.returncode, p.stdout[-1000:], p.stderr[-2000:])
+  assert f'python -m {main}' in p.stdout and f'\n  --{flag}: ' in p.stdout, (main, p.stdout)
+  assert p.stderr == '', (main, p.stderr[-2000:])
+
+
+def test_help_exits_0_with_the_usage_and_flags():
+  """--help of every absl main prints its usage and flags and exits 0 (absl's own exits 1)."""
+  for main, p in _help(list(MAINS)).items():
+    _check_help(main, p, MAINS[main])
+

@@ -1,18 +1,21 @@
 """Rerunning a training: a finished run is left as it is, a lower --steps than a run was trained
-to is refused without a trace, a config that cannot train is refused before anything is
-written, run.json is strict JSON, and the mains run from any working directory."""
+to, another config or other data is refused without a trace, a config that cannot train or
+missing inputs are refused before anything is written, run.json is strict JSON, and the mains
+run from any working directory."""
 
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import ml_collections
 import pytest
 
-from ik_gat_jax import checkpointing, inference, train
+from ik_gat_jax import checkpointing, inference, prior_task, train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -86,6 +89,90 @@ def test_configs_that_cannot_train_are_refused_before_anything_is_written(
   assert not (tmp_path / 'w').exists()
 
 
+def test_resume_with_another_config_or_other_data_is_refused(cmu_shards, tiny_config, finished,
+                                                           train_only_shards):
+  """A rerun that would go on training the run under another recipe is refused in one line
+  naming the keys with both values, touching nothing, also with a higher --steps: another
+  learning rate, batch size, seed or augmentation, or other shards."""
+  before = _snapshot(finished)
+
+  def config(**changes):
+    c = tiny_config(cmu_shards, train=dict(steps=30))
+    for key, value in changes.items():
+      section, _, field = key.rpartition('.')
+      (c[section] if section else c)[field] = value
+    return c
+
+  cases = [
+      (config(**{'train.lr': 2e-3}), r'was trained with --config\.train\.lr=0\.001 \(this config '
+       r'0\.002\): rerun with its config \(.*config\.json\) to resume it, or use a new --workdir$'),
+      (config(**{'train.batch_size': 64}), r'--config\.train\.batch_size=32 \(this config 64\)'),
+      (config(seed=1, **{'augment.mirror': 0.0}),
+       r'--config\.augment\.mirror=0\.5 \(this config 0\.0\), --config\.seed=0 \(this config 1\)'),
+      (tiny_config(train_only_shards, train=dict(steps=30)),
+       rf'^{re.escape(str(finished))} was trained on other data \({re.escape(str(cmu_shards))}; '
+       r'its (split, )?frames differ from '),
+  ]
+  for c, message in cases:
+    with pytest.raises(ValueError, match=message) as e:
+      train.train_and_evaluate(c, finished, log=_quiet)
+    assert '\n' not in str(e.value)
+    assert _snapshot(finished) == before
+
+
+def test_a_prior_run_refuses_another_config_too(tiny_prior_run, tmp_path):
+  """The pose prior's trainer is the same: its run, rerun with another learning rate (and more
+  steps), is refused in one line, touching nothing; with its own config it is done."""
+  run = Path(shutil.copytree(tiny_prior_run, tmp_path / 'prior'))
+  c = ml_collections.ConfigDict(json.loads((run / 'config.json').read_text()))
+  before = _snapshot(run)
+  lines = []
+  train.train_and_evaluate(c, run, task=prior_task.PRIOR_TASK, log=lines.append)
+  assert len(lines) == 1 and lines[0].startswith('already done'), lines
+  c.train.update(steps=30, lr=c.train.lr * 2)
+  with pytest.raises(ValueError, match=rf'^{re.escape(str(run))} was trained with '
+                     r'--config\.train\.lr=\S+ \(this config \S+\): rerun with its config'):
+    train.train_and_evaluate(c, run, task=prior_task.PRIOR_TASK, log=_quiet)
+  assert _snapshot(run) == before
+
+
+def test_what_a_resume_may_change():
+  """`train.training_config_diff`: --steps, the intervals, prefetch, eval batch size, the moving
+  average and the data's path may change; any other key is named; a key an older config lacks
+  counts as off."""
+  from experiments.configs import test as test_config
+  old = test_config.get_config().to_dict()
+  new = test_config.get_config()
+  new.data = '/elsewhere'
+  new.train.update(steps=40, log_every=1, eval_every=7, checkpoint_every=3, prefetch=4,
+                   eval_batch_size=64, ema_decay=0.9)
+  assert train.training_config_diff(old, new.to_dict()) == []
+  new.train.update(lr=1.0, warmup_steps=0)
+  new.loss.alpha = 0.5
+  new.model.hidden = 7  # the model is `model_config_diff`'s (a CheckpointError)
+  assert train.training_config_diff(old, new.to_dict()) == ['loss.alpha', 'train.lr',
+                                                            'train.warmup_steps']
+  del old['augment']['end_site_prob']  # a field added after the run was made
+  assert train.training_config_diff(old, test_config.get_config().to_dict()) == []
+  new = test_config.get_config()
+  new.augment.end_site_prob = 0.5
+  assert train.training_config_diff(old, new.to_dict()) == ['augment.end_site_prob']
+
+
+def test_missing_data_init_from_or_teacher_is_refused_without_making_the_workdir(
+    cmu_shards, tiny_config, tmp_path):
+  nope = str(tmp_path / 'nope')
+  cases = [(tiny_config(nope), FileNotFoundError, 'does not exist'),
+           (tiny_config(cmu_shards, train=dict(init_from=nope)), checkpointing.CheckpointError,
+            'no checkpoint'),
+           (tiny_config(cmu_shards, train=dict(distill_from=nope)), checkpointing.CheckpointError,
+            'no checkpoint')]
+  for c, error, message in cases:
+    with pytest.raises(error, match=message):
+      train.train_and_evaluate(c, tmp_path / 'w', log=_quiet)
+    assert not (tmp_path / 'w').exists()
+
+
 @pytest.fixture(scope='module')
 def train_only_shards(cmu_dir, tmp_path_factory):
   """09_03 (a short file) as the only split, 'train': no validation."""
@@ -118,7 +205,9 @@ def test_mains_run_from_any_directory_and_answer_reruns_in_one_line(cmu_shards, 
                                                                     tmp_path):
   """From another working directory (the default --config resolves beside the package):
   --steps=-5 and --steps=0 are refused in one line with status 2 and nothing written; a
-  finished run rerun says so in one line and exits 0; a lower --steps is refused in one line."""
+  finished run rerun says so in one line and exits 0; a lower --steps, another learning rate,
+  a mistyped --config.* key (train and train_prior) and missing data are refused in one line,
+  status 2, leaving no folder and the runs as they were."""
   elsewhere = tmp_path / 'elsewhere'
   elsewhere.mkdir()
   lower = Path(shutil.copytree(finished, tmp_path / 'lower'))
@@ -133,6 +222,18 @@ def test_mains_run_from_any_directory_and_answer_reruns_in_one_line(cmu_shards, 
                f'already done: {finished} is trained to step 20 (run.json); nothing to do'),
       'lower': (['experiments.train', data, f'--workdir={lower}', test_config, '--steps=10'], 2,
                 f'error: {lower} is already trained to step 20, more than --steps=10'),
+      'other_lr': (['experiments.train', data, f'--workdir={lower}', test_config,
+                    '--config.train.lr=0.005'], 2,
+                   f'error: {lower} was trained with --config.train.lr=0.001 (this config 0.005)'),
+      'typo': (['experiments.train', data, f'--workdir={tmp_path / "c"}',
+                '--config.train.lrr=1'], 2, 'error: --config.train.lrr: the config has no field '
+               'train.lrr (did you mean --config.train.lr?)'),
+      'prior_typo': (['experiments.train_prior', data, f'--workdir={tmp_path / "d"}',
+                      '--config.model.latentt=4'], 2, 'error: --config.model.latentt: the config '
+                     'has no field model.latentt (did you mean --config.model.latent?)'),
+      'no_data': (['experiments.train', f'--data={tmp_path / "none"}',
+                   f'--workdir={tmp_path / "e" / "run"}'], 2,
+                  f'error: shard directory {tmp_path / "none"} does not exist'),
   }
   env = {**os.environ, 'PYTHONUNBUFFERED': '1'}
   before = {'done': _snapshot(finished), 'lower': _snapshot(lower)}
@@ -149,5 +250,5 @@ def test_mains_run_from_any_directory_and_answer_reruns_in_one_line(cmu_shards, 
     assert p.returncode == rc, (k, out[-2000:], err[-2000:])
     said = [x for x in (out if rc == 0 else err).splitlines() if x.strip()]
     assert len(said) == 1 and said[0].startswith(line), (k, said)
-  assert not (tmp_path / 'a').exists() and not (tmp_path / 'b').exists()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['elsewhere', 'lower', 'run']
   assert _snapshot(finished) == before['done'] and _snapshot(lower) == before['lower']

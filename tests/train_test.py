@@ -125,6 +125,36 @@ def test_resume_equals_uninterrupted_and_checkpoint_round_trip(cmu_shards, tmp_p
                              rtol=1e-4)
 
 
+def test_a_run_killed_between_checkpoints_and_resumed_logs_each_step_once(cmu_shards, tmp_path,
+                                                                         tiny_config):
+  """A run that dies at step 5 with its last checkpoint at 4 (no handler saves, as under
+  kill -9; here an error raised from its log) leaves log.jsonl with step 5 logged and maybe a
+  torn last row; resumed, the log reads as one uninterrupted run: every train step once, in
+  order, the validations once, every row JSON."""
+  # The resume test's program (steps=6): read from the persistent compilation cache.
+  c = tiny_config(cmu_shards, train=dict(steps=6, log_every=1, eval_every=3,
+                                         checkpoint_every=4))
+  workdir = tmp_path / 'killed'
+
+  def die_at_5(msg):
+    if msg.startswith('step 5/'):
+      raise RuntimeError('killed')
+
+  with pytest.raises(RuntimeError, match='killed'):
+    train.train_and_evaluate(c, workdir, log=die_at_5)
+  log = workdir / 'log.jsonl'
+  rows = lambda: [json.loads(x) for x in log.read_text().splitlines()]  # noqa: E731
+  assert [r['step'] for r in rows() if r['kind'] == 'train'] == [1, 2, 3, 4, 5]
+  assert train.trained_step(workdir) == 4
+  with open(log, 'a') as f:
+    f.write('{"step": 6, "kind": "tr')  # a row the kill cut short
+  lines = []
+  train.train_and_evaluate(c, workdir, log=lines.append)
+  assert any(m.startswith('resumed from') and 'at step 4' in m for m in lines), lines
+  assert [r['step'] for r in rows() if r['kind'] == 'train'] == [1, 2, 3, 4, 5, 6]
+  assert [r['step'] for r in rows() if r['kind'] == 'val'] == [3, 6]
+
+
 def test_ema_recurrence_and_the_best_checkpoint_holds_the_average(cmu_shards, tmp_path,
                                                                    tiny_config):
   """`train.ema_decay`: (1) the jitted step keeps `ema_t = d_t ema + (1 - d_t) params_t` with
