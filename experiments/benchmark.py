@@ -3,6 +3,7 @@
   python -m experiments.benchmark --output_dir=DIR [--checkpoints=DIR] [--prior=DIR] \
       [--data=DIR] [--split=test] [--quick|--smoke] [--max_frames=N] [--iters=N] [--nobf16] \
       [--refine_iters=N,M] [--[no]mirror]
+  python -m experiments.benchmark --replot_tables=DIR/tables.md --output_dir=DIR
 
 Runs `experiments.benchmark_suite.run_suite` (its docstring lists the sections and what --smoke,
 --quick and the full default run) and writes DIR/benchmark.json, DIR/tables.md and PNG plots.
@@ -15,7 +16,8 @@ budget of the accuracy, noise and speed rows (10 with --smoke, else 100); --refi
 IK-GAT + refinement rows (and + the prior's refinement at the largest budget); --mirror (default
 on, off with --smoke) IK-GAT with mirror averaging, alone and before the prior's refinement.
 A refused command (e.g. --max_frames=-4, --iters=0, a missing split) leaves no --output_dir
-behind. Run it on a quiet machine: every other process skews the timings. Expected time on the 2-core
+behind. --replot_tables draws a run's Pareto and noise plots again from its tables.md (their
+numbers to the tables' rounding), with the current plotting code. Run it on a quiet machine: every other process skews the timings. Expected time on the 2-core
 CPU: --smoke under a minute, --quick a few minutes, full longer (tens of minutes).
 """
 
@@ -27,6 +29,8 @@ from experiments import benchmark_suite as benchmark
 from experiments.common import fail_on_user_error, no_empty_folder_left, run_main
 
 _OUTPUT = flags.DEFINE_string('output_dir', None, 'Where benchmark.json, tables.md, PNGs go.')
+_REPLOT = flags.DEFINE_string('replot_tables', None, 'Run nothing: draw pareto.png and noise.png '
+                              'again from this tables.md of an earlier run, into --output_dir.')
 _CHECKPOINTS = flags.DEFINE_string('checkpoints', None,
                                    'Directory of IK-GAT (and prior) runs or checkpoints.')
 _PRIOR = flags.DEFINE_string('prior', None, 'Pose-prior run or checkpoint (overrides the found).')
@@ -62,6 +66,10 @@ def _refine_iters(values: list[str]) -> tuple[int, ...]:
 @fail_on_user_error
 def main(argv):
   del argv
+  if _REPLOT.value is not None:
+    for path in benchmark.replot_from_tables(_REPLOT.value, _OUTPUT.value):
+      print(f'wrote {path}')
+    return
   if _QUICK.value and _SMOKE.value:
     raise ValueError('pass at most one of --quick and --smoke')
   # Refused before --output_dir is made (a refusal found later removes it again if empty).

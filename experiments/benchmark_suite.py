@@ -79,6 +79,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -679,7 +680,8 @@ def block_sweep(ctx: Context, name: str) -> dict:
       blocked[str(b)] = blocked_throughput(method.solve, *ctx.inputs(b), best,
                                            min_seconds=cfg.throughput_seconds)
   ctx.log(f'block sweep {name}: best block {best} ({sweep[str(best)]:,.0f} frames/s); in blocks: '
-          + ', '.join(f"{b} -> {t['frames_per_s']:,.0f}" for b, t in blocked.items()))
+          + (', '.join(f"{b} -> {t['frames_per_s']:,.0f}" for b, t in blocked.items())
+             or 'none (no batch size is a larger multiple of it)'))
   return {'frames_per_s': sweep, 'best_block': best, 'best_frames_per_s': sweep[str(best)],
           'blocked': blocked}
 
@@ -1021,44 +1023,141 @@ def markdown_report(r: dict) -> str:
 _MARKERS = {'ikgat': '*', 'ikgat_bf16': 'P', 'floor': 'X'}
 
 
+_VARIANT_MARKERS = ('*', 'o', 's', 'D', '^', 'v', 'P', 'h', '<', '>', 'p', 'd')
+_VARIANT_DASHES = ('-', '--', ':', '-.', (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
+
+
+def _model_variant(name: str) -> tuple[str, str]:
+  """'ikgat_base:ikgat_fast+mirror' -> ('ikgat_fast', '+mirror'); 'ikgat_base_bf16' ->
+  ('ikgat_base', '_bf16'); 'iterative' -> ('iterative', '')."""
+  own = name.split(':')[-1]
+  model = own.split('+')[0].removesuffix('_bf16')
+  return model, own[len(model):]
+
+
+def _method_styles(names: list[str]) -> dict[str, dict]:
+  """Per method name: a colour per model (every IK-GAT checkpoint, each other method) and a
+  marker and a dash per variant (+refine20, +mirror, _bf16, ...), so 20-30 methods stay
+  apart and a model's variants read as a family."""
+  models = list(dict.fromkeys(_model_variant(n)[0] for n in names))
+  variants = list(dict.fromkeys(_model_variant(n)[1] for n in names))
+  out = {}
+  for n in names:
+    m, v = _model_variant(n)
+    k = variants.index(v)
+    out[n] = {'color': f'C{models.index(m) % 10}',
+              'marker': _VARIANT_MARKERS[k % len(_VARIANT_MARKERS)],
+              'linestyle': _VARIANT_DASHES[k % len(_VARIANT_DASHES)]}
+  return out
+
+
+def _legend_outside(ax, fontsize: int = 7) -> None:
+  """The legend right of the axes, so no curve or point is under it."""
+  ax.legend(fontsize=fontsize, loc='upper left', bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
 def plot_pareto(r: dict, path: Path) -> None:
+  """Every point in the legend (no labels on the plot, where IK-GAT's crowd each other): each
+  IK-GAT checkpoint a colour, each variant a marker; iterative budgets as lines (the numbers
+  by the points: iterations); the floors as crosses."""
   plt = plots.pyplot()
-  fig, ax = plt.subplots(figsize=(7.5, 5))
-  for fam in dict.fromkeys(p['family'] for p in r['pareto']):
+  fig, ax = plt.subplots(figsize=(11, 5.5))
+  fams = list(dict.fromkeys(p['family'] for p in r['pareto']))
+  styles = _method_styles([p['name'] for p in r['pareto']])
+  for fam in fams:
     pts = [p for p in r['pareto'] if p['family'] == fam]
+    if fam == 'floor':
+      for p in pts:
+        ax.scatter(p['ms_per_frame'], p['local_rot_err_deg'], marker='X', s=110, zorder=3,
+                   color=styles[p['name']]['color'], label=p['name'])
+      continue
     if fam in _MARKERS:
       for p in pts:
-        ax.scatter(p['ms_per_frame'], p['local_rot_err_deg'], marker=_MARKERS[fam], s=140,
-                   zorder=3)
-        ax.annotate(p['name'], (p['ms_per_frame'], p['local_rot_err_deg']), fontsize=7,
-                    xytext=(4, -12 if fam == 'ikgat_bf16' else 4), textcoords='offset points')
+        st = styles[p['name']]
+        ax.scatter(p['ms_per_frame'], p['local_rot_err_deg'], marker=st['marker'],
+                   s=150 if st['marker'] == '*' else 60, zorder=3, color=st['color'],
+                   edgecolors='black', linewidths=0.4, label=p['name'])
       continue
     pts.sort(key=lambda p: p['iters'])
-    ax.plot([p['ms_per_frame'] for p in pts], [p['local_rot_err_deg'] for p in pts], 'o-',
-            label=fam)
+    st = styles[pts[0]['name']]
+    ax.plot([p['ms_per_frame'] for p in pts], [p['local_rot_err_deg'] for p in pts], marker='o',
+            color=st['color'], linestyle=st['linestyle'],
+            label=f'{fam} (iterations by the points)')
     for p in pts:
       ax.annotate(str(p['iters']), (p['ms_per_frame'], p['local_rot_err_deg']), fontsize=7,
                   xytext=(4, -10), textcoords='offset points')
   batch = r['pareto'][0]['batch'] if r['pareto'] else '?'
   ax.set(xscale='log', xlabel=f'ms per frame (batch {batch})',
          ylabel='local rotation error (deg)',
-         title='Accuracy vs time: iterative budgets (numbers = iterations) and IK-GAT')
+         title='Accuracy vs time: IK-GAT (a colour per checkpoint) and iterative budgets')
   ax.grid(True, which='both', alpha=0.3)
-  ax.legend(fontsize=8)
+  _legend_outside(ax)
   plots.save_figure(fig, path, tight=True)
 
 
 def plot_noise(r: dict, path: Path) -> None:
+  """One curve per method: a colour per model, a dash and marker per variant (the shipped
+  model's plain curve, the first IK-GAT, drawn thick), the legend outside the axes."""
   plt = plots.pyplot()
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+  fig, ax = plt.subplots(figsize=(11, 5.5))
+  first = next((n for n in r['noise'] if n.startswith('ikgat')), None)
+  styles = _method_styles(list(r['noise']))
   for name, curve in r['noise'].items():
-    ax.plot([c['noise_mm'] for c in curve], [c['local_rot_err_deg'] for c in curve], 'o-',
-            label=name)
+    ax.plot([c['noise_mm'] for c in curve], [c['local_rot_err_deg'] for c in curve],
+            markersize=4, linewidth=3.0 if name == first else 1.3, label=name, **styles[name])
   ax.set(xlabel='input noise sigma per coordinate (mm)', ylabel='local rotation error (deg)',
          title='Robustness to input noise')
   ax.grid(True, alpha=0.3)
-  ax.legend(fontsize=8)
+  _legend_outside(ax)
   plots.save_figure(fig, path, tight=True)
+
+
+def _markdown_rows(md: str, heading: str) -> tuple[list[str], list[list[str]]]:
+  """(header cells, body rows of cells) of the table under the `## ` heading that starts with
+  `heading` in `md` (tables.md)."""
+  lines = md.splitlines()
+  start = next((i for i, line in enumerate(lines) if line.startswith('## ' + heading)), None)
+  if start is None:
+    raise ValueError(f'no table "{heading}" in the tables file')
+  rows = []
+  for line in lines[start + 1:]:
+    if line.startswith('## '):
+      break
+    if line.startswith('|'):
+      rows.append([c.strip() for c in line.strip().strip('|').split('|')])
+  if len(rows) < 2:
+    raise ValueError(f'the table "{heading}" has no rows')
+  return rows[0], rows[2:]
+
+
+def plot_data_from_tables(md: str) -> dict:
+  """The `pareto` and `noise` sections of a run's JSON, read back from its tables.md (the
+  Pareto and the noise tables), for `plot_pareto` and `plot_noise`: a run's figures drawn
+  again without the run (`python -m experiments.benchmark --replot_tables=FILE`)."""
+  num = lambda c: float(c.replace(',', ''))  # noqa: E731
+  head, rows = _markdown_rows(md, 'Pareto')
+  batch = re.search(r'batch (\d+)', md[md.index('## Pareto'):].splitlines()[0])
+  col = {h: k for k, h in enumerate(head)}
+  pareto = [{'name': r[col['point']], 'family': r[col['family']],
+             'iters': None if r[col['iters']] == '-' else int(r[col['iters']]),
+             'local_rot_err_deg': num(r[col['local (deg)']]),
+             'ms_per_frame': num(r[col['ms/frame']]), 'batch': int(batch.group(1)) if batch else '?'}
+            for r in rows]
+  head, rows = _markdown_rows(md, 'Noise: local rotation error')
+  levels = [num(h.split()[0]) for h in head[1:]]
+  noise = {r[0]: [{'noise_mm': m, 'local_rot_err_deg': num(v)} for m, v in zip(levels, r[1:])
+                  if v not in ('', '-')] for r in rows}
+  return {'pareto': pareto, 'noise': noise}
+
+
+def replot_from_tables(tables: str | Path, out_dir: str | Path) -> list[Path]:
+  """pareto.png and noise.png drawn again from a run's tables.md into `out_dir` (made)."""
+  r = plot_data_from_tables(Path(tables).read_text())
+  out = Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  plot_pareto(r, out / 'pareto.png')
+  plot_noise(r, out / 'noise.png')
+  return [out / 'pareto.png', out / 'noise.png']
 
 
 def _grouped_bars(ax, groups: list[str], series: dict[str, list[float]]) -> None:

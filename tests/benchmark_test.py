@@ -140,6 +140,21 @@ def test_smoke_writes_json_tables_and_pngs(smoke, tmp_path):
   assert any('accuracy ikgat_tiny' in line for line in lines)  # progress printed
   benchmark.write_outputs(r, tmp_path)  # rebuilt from the JSON alone
   assert (tmp_path / 'tables.md').read_text() == tables
+  # The Pareto and noise plots' numbers read back from tables.md (--replot_tables), to the
+  # tables' rounding, and drawn again.
+  back = benchmark.plot_data_from_tables(tables)
+  assert [p['name'] for p in back['pareto']] == [p['name'] for p in r['pareto']]
+  for p, q in zip(back['pareto'], r['pareto']):
+    assert (p['family'], p['iters'], p['batch']) == (q['family'], q.get('iters'), q['batch'])
+    assert abs(p['local_rot_err_deg'] - q['local_rot_err_deg']) <= 0.005 + 1e-9
+    assert abs(p['ms_per_frame'] - q['ms_per_frame']) <= 5e-5 + 1e-9
+  assert list(back['noise']) == list(r['noise'])
+  for name, curve in r['noise'].items():
+    assert [c['noise_mm'] for c in back['noise'][name]] == [c['noise_mm'] for c in curve]
+    assert all(abs(a['local_rot_err_deg'] - b['local_rot_err_deg']) <= 0.005 + 1e-9
+               for a, b in zip(back['noise'][name], curve))
+  drawn = benchmark.replot_from_tables(out / 'tables.md', tmp_path / 'replot')
+  assert [p.read_bytes()[:4] for p in drawn] == [b'\x89PNG'] * 2
 
 
 def test_missing_prior_skips_only_the_prior_solver(cmu_shards, tiny_ikgat_run, monkeypatch,
