@@ -17,8 +17,9 @@ IK-GAT + refinement rows (and + the prior's refinement at the largest budget); -
 on, off with --smoke) IK-GAT with mirror averaging, alone and before the prior's refinement.
 A refused command (e.g. --max_frames=-4, --iters=0, a missing split) leaves no --output_dir
 behind. --replot_tables draws a run's Pareto and noise plots again from its tables.md (their
-numbers to the tables' rounding), with the current plotting code. Run it on a quiet machine: every other process skews the timings. Expected time on the 2-core
-CPU: --smoke under a minute, --quick a few minutes, full longer (tens of minutes).
+numbers to the tables' rounding), with the current plotting code. Run it on a quiet machine:
+every other process skews the timings. Expected time on the 2-core CPU: --smoke 1-2 minutes
+(80 s in session 41's suite), --quick a few minutes, full 35-55 minutes.
 """
 
 import sys
@@ -37,7 +38,7 @@ _PRIOR = flags.DEFINE_string('prior', None, 'Pose-prior run or checkpoint (overr
 _DATA = flags.DEFINE_string('data', None, 'Shard directory (default: the checkpoints\' data).')
 _SPLIT = flags.DEFINE_string('split', 'test', 'Split to benchmark on.')
 _QUICK = flags.DEFINE_boolean('quick', False, 'Fewer frames, budgets, batch sizes: minutes.')
-_SMOKE = flags.DEFINE_boolean('smoke', False, 'Tiny everything: under a minute (CI).')
+_SMOKE = flags.DEFINE_boolean('smoke', False, 'Tiny everything: 1-2 minutes (CI).')
 _MAX_FRAMES = flags.DEFINE_integer(
     'max_frames', None, 'Frames every method runs on (default 64/256/1024 for smoke/quick/full; '
     '0: the whole split).')
