@@ -755,7 +755,8 @@ def test_offsets_are_in_the_positions_units_and_axes(solver):
     np.testing.assert_allclose(got.local_rot, want.local_rot, atol=2e-5)
     np.testing.assert_allclose(got.offsets, want.offsets, atol=1e-12)
     np.testing.assert_allclose(got.positions_fk, want.positions_fk, atol=1e-5)
-  with pytest.raises(InputError, match=r'offsets: the bones are 0\.0011x the template.s.*positions. units'):
+  with pytest.raises(InputError,
+                     match=r'offsets: the bones are 0\.0011x the template.s.*positions. units'):
     solver.solve(pos * 1000, offsets=off, units='mm')
   with pytest.raises(InputError, match=r'offsets: the bones are 110x the template.s'):
     solver.solve(pos, offsets=off * 100)
@@ -821,3 +822,33 @@ def test_a_calibrated_stream_far_from_the_origin_is_the_stream_near_it(tmp_path_
     out.append(np.stack(list(solver.solve_stream(list(pos + shift)))))
   for got in out[1:]:
     np.testing.assert_allclose(got, out[0], atol=2e-5)
+
+
+def test_a_body_scaled_by_any_factor_gives_the_same_rotations(tmp_path_factory):
+  """Size normalisation (the default): the network sees each body at the template's size, from
+  the subject's offsets or, with the template's, from each frame's own bones; a body and its
+  offsets scaled by k solve to the same rotations (float32 round-off), in `solve`, `step` and
+  `solve_stream`; FK outputs keep the input's size. Without it they do not."""
+  ckpt = tiny_checkpoint(tmp_path_factory)
+  solver = IKSolver.from_checkpoint(ckpt)
+  off = solver.offsets * 1.05
+  pos = posed_clip(solver.rig, off, T=5, seed=9, scale=0.3)
+  base = solver.solve(pos, offsets=off, full=True)
+  plain = solver.solve(pos)  # the template's offsets: each frame's own bones
+  for k in (0.5, 2.0):
+    got = solver.solve(pos * k, offsets=off * k, full=True)
+    np.testing.assert_allclose(got.local_rot, base.local_rot, atol=2e-5)
+    np.testing.assert_allclose(got.positions_fk, base.positions_fk * k, atol=1e-5 * k)
+    np.testing.assert_allclose(solver.solve(pos * k), plain, atol=2e-5)
+    solver.reset()
+    np.testing.assert_allclose(np.stack([solver.step(f) for f in pos * k]), plain, atol=2e-5)
+    streamed = np.concatenate(list(solver.solve_stream([pos[:2] * k, pos[2:] * k])))
+    np.testing.assert_allclose(streamed, plain, atol=2e-5)
+  as_is = IKSolver.from_checkpoint(ckpt, size_normalization=False)
+  assert not as_is.size_normalization
+  assert _max_angle(as_is.solve(pos * 2.0, offsets=off * 2.0), base.local_rot) > 1e-2
+
+
+def _max_angle(a, b):
+  return float(np.degrees(np.asarray(rotations.geodesic_angle(np.asarray(a, np.float32),
+                                                               np.asarray(b, np.float32)))).max())
