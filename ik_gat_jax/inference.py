@@ -288,9 +288,9 @@ def ikgat_infer(model, batch, config=None, rig=None,
 
   `size_normalization`: the network sees each body scaled to the rig template's size
   (`size_scale`: from `batch['offsets']`, or the frame's own bones where those are the
-  template's); the refinement and every output keep the input's size. A body scaled by k then
-  gives the same rotations for any k (to float32 round-off), and a subject smaller or larger
-  than the training data's is solved as one of its size (BENCHMARKS.md "Subject size")."""
+  template's), and a refinement runs on that body too; the outputs keep the input's size. A
+  body scaled by k then gives the same rotations for any k (to float32 round-off), and a subject smaller or larger than the training data's is solved as one of its size
+  (BENCHMARKS.md "Subject size")."""
   del config
   rig = rig or model.rig
   inputs = {'positions': batch['positions'], 'bone_frames': batch['bone_frames'],
@@ -299,7 +299,8 @@ def ikgat_infer(model, batch, config=None, rig=None,
   if size_normalization:
     mask = inputs.get('joint_mask')
     mask = None if mask is None else (mask if mask.dtype == bool else mask > 0.5)
-    inputs = scale_points(inputs, size_scale(inputs['positions'], batch['offsets'], rig, mask))
+    scale = size_scale(inputs['positions'], batch['offsets'], rig, mask).astype(jnp.float32)
+    inputs = scale_points(inputs, scale)
 
   if mirror:
     inputs = mirror_inputs(inputs, batch['offsets'], rig)
@@ -310,10 +311,13 @@ def ikgat_infer(model, batch, config=None, rig=None,
     local = _network(model, inputs, rig)
   if mirror:
     local = rotations.matrix_slerp(local[:n], input_pipeline.unmirror_local(local[n:], rig), 0.5)
-  if refine is not None:
-    local = iterative_ik.refine_rotations(
-        local.astype(jnp.float32), batch['positions'].astype(jnp.float32),
-        batch['offsets'].astype(jnp.float32), rig, refine, *(prior or (None, None)))[0]
+  if refine is not None:  # with the size normalisation, on the body the network saw
+    pos, off = batch['positions'].astype(jnp.float32), batch['offsets'].astype(jnp.float32)
+    if size_normalization:
+      off = jnp.broadcast_to(off, pos.shape[:1] + off.shape[-2:]) * scale[:, None, None]
+      pos = pos * scale[:, None, None]
+    local = iterative_ik.refine_rotations(local.astype(jnp.float32), pos, off, rig, refine,
+                                          *(prior or (None, None)))[0]
   return local
 
 
@@ -323,14 +327,22 @@ MIRRORED_INPUTS = ('positions', 'bone_frames', 'joint_mask', 'history')
 POINT_INPUTS = ('positions', 'history', 'end_sites')
 
 
+# Offsets within this many metres of the rig template's, joint by joint, are the template:
+# no subject given (float32 copies of it too), so the size comes from each frame.
+TEMPLATE_TOL_M = 5e-5
+
+
 def size_scale(positions: jax.Array, offsets: jax.Array, rig: Rig,
                mask: jax.Array | None = None) -> jax.Array:
-  """`[B]`: the factor that brings each frame's body to the rig template's size, the summed
-  length of the template's bones over the subject's: from the subject's rest `offsets [B or 1,
-  J, 3]`, or, where they are the template's own (no subject given), from the frame's
-  `positions [B, J, 3]` (its bones with both ends observed, `mask [B, J]`). 1 for a rig
-  without a template. Rotations do not change when a body is scaled, so the network then sees
-  every subject at the size its training data had (`ikgat_infer`'s `size_normalization`)."""
+  """`[B]`: the factor that brings each frame's body to the rig template's size: 1 / the median
+  over the template's bones of the subject's bone length over the template's. From the
+  subject's rest `offsets [B or 1, J, 3]`, or, where they are the template's own
+  (`TEMPLATE_TOL_M`: no subject given), from the frame's `positions [B, J, 3]` (its bones
+  with both ends observed, `mask [B, J]`; the median, so one or two bad joints barely move it;
+  1 where no bone is observed, as for a tracker subset that shares none). 1 for a rig without
+  a template. Rotations do not change when a body is scaled, so the network then sees every
+  subject at the size its training data had (`ikgat_infer`'s `size_normalization`)."""
+  positions = jnp.asarray(positions)  # float32 unless JAX runs in 64 bits
   try:
     template = np.asarray(rig.template(), np.float64)
   except Exception:  # a rig without template offsets: nothing to compare with
@@ -343,17 +355,16 @@ def size_scale(positions: jax.Array, offsets: jax.Array, rig: Rig,
   dtype = positions.dtype
   tl = jnp.asarray(lengths[bones], dtype)
   off = jnp.broadcast_to(offsets, positions.shape[:1] + offsets.shape[-2:]).astype(dtype)
-  subject = jnp.sum(rotations.safe_norm(off[:, bones]), -1)
-  is_template = jnp.all(jnp.abs(off - jnp.asarray(template, dtype)) <= 1e-6, axis=(-2, -1))
+  subject = jnp.median(rotations.safe_norm(off[:, bones]) / tl, axis=-1)
+  is_template = jnp.all(jnp.abs(off - jnp.asarray(template, dtype)) <= TEMPLATE_TOL_M,
+                        axis=(-2, -1))
   seen = (jnp.ones(positions.shape[:1] + (len(bones),), bool) if mask is None
           else mask[:, bones] & mask[:, parents])
   x = jnp.where(seen[..., None], positions[:, bones] - positions[:, parents], 0.0)
-  frame = jnp.sum(jnp.where(seen, rotations.safe_norm(x), 0.0), -1)
-  frame_template = jnp.sum(jnp.where(seen, tl, 0.0), -1)
-  s = jnp.where(is_template, frame_template / jnp.maximum(frame, 1e-6),
-                jnp.sum(tl) / jnp.maximum(subject, 1e-6))
-  ok = jnp.isfinite(s) & (s > 0) & jnp.where(is_template, frame > 1e-6, subject > 1e-6)
-  return jnp.where(ok, s, 1.0).astype(dtype)
+  frame = jnp.nanmedian(jnp.where(seen, rotations.safe_norm(x) / tl, jnp.nan), axis=-1)
+  ratio = jnp.where(is_template, frame, subject)
+  ok = jnp.isfinite(ratio) & (ratio > 1e-6)
+  return jnp.where(ok, 1.0 / jnp.where(ok, ratio, 1.0), 1.0).astype(dtype)
 
 
 def scale_points(inputs: dict, s: jax.Array) -> dict:

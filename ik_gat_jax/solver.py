@@ -537,7 +537,10 @@ def check_offsets(offsets, rig: Rig) -> np.ndarray:
   if off.shape != (rig.num_joints, 3):
     raise InputError(f'offsets must be [{rig.num_joints}, 3] in the joint order of rig '
                      f'{rig.name!r} ({", ".join(rig.joint_names)}); got shape {off.shape}')
-  check_finite(off[None], rig, 'offsets')
+  if not all_finite(off):
+    j = int(np.flatnonzero(~np.isfinite(off).all(axis=-1))[0])
+    raise InputError(f'offsets contain NaN/inf: joint {j} ({rig.joint_names[j]}) is '
+                     f'{off[j].tolist()}; every joint needs its rest offset')
   children = np.asarray(rig.designated_children)  # one vectorised check: `step` runs it per call
   short = (children >= 0) & (np.einsum('ij,ij->i', off[children], off[children]) <= 1e-12)
   if short.any():
@@ -546,6 +549,33 @@ def check_offsets(offsets, rig: Rig) -> np.ndarray:
                      f'{rig.joint_names[children[j]]} has zero length, so its rest direction '
                      '(and bone frame) is undefined')
   return off
+
+
+def _offsets_as_positions(raw: np.ndarray, scale: float, M: np.ndarray, rig: Rig) -> np.ndarray:
+  """Offsets `raw [J, 3]` given in the positions' units and axes -> metres in rig axes (`scale`
+  metres per unit, rig = `M` @ input). InputError where they look given in metres or the rig's
+  axes already (the contract before session 41, the solver's own `offsets` still): bones of a
+  plausible size as given and not once converted, or pointing as the template's as given and a
+  median `REST_POSE_WARN_DEG` off once turned."""
+  out = raw * scale @ M.T
+  try:
+    rig.template()
+  except RigError:
+    return out
+  size = lambda o: length_ratio(np.linalg.norm(o, axis=-1), rig)  # noqa: E731
+  plausible = lambda r: 1 / _UNIT_WARN_RATIO < r < _UNIT_WARN_RATIO  # noqa: E731
+  if scale != 1.0 and plausible(size(raw)) and not plausible(size(out)):
+    raise InputError(f'offsets: the bones are {size(out):.3g}x the template\'s once converted '
+                     'with the positions\' units; they look given in metres: give them in the '
+                     'positions\' units (units= / --units converts both)')
+  if not np.array_equal(M, np.eye(3)):
+    turned = lambda o: float(np.nanmedian(rest_pose_angles(o, rig)))  # noqa: E731
+    if turned(raw * scale) <= REST_POSE_WARN_DEG < turned(out):
+      raise InputError(f'offsets: their bones point as the template\'s as given and a median '
+                       f'{turned(out):.0f} deg off once turned by the positions\' axes; they '
+                       'look given in the rig\'s axes: give them in the positions\' axes '
+                       '(input_axes= / --input_axes turns both)')
+  return out
 
 
 def check_offsets_size(offsets: np.ndarray, rig: Rig) -> None:
@@ -558,7 +588,8 @@ def check_offsets_size(offsets: np.ndarray, rig: Rig) -> None:
     return
   if not 1 / _UNIT_WARN_RATIO < ratio < _UNIT_WARN_RATIO:
     raise InputError(f'offsets: the bones are {ratio:.3g}x the template\'s ({rig.name}): give '
-                     'them in the positions\' units (units= converts both; metres without it)')
+                     'them in the positions\' units (units= / --units converts both; metres '
+                     'without it)')
 
 
 def rest_pose_angles(offsets: np.ndarray, rig: Rig) -> np.ndarray:
@@ -1060,7 +1091,7 @@ class IKSolver:
     template's size (rotations do not change with a body's scale), from the subject's offsets,
     or each frame's own bones where the offsets are the template's (no subject given): a body
     scaled by any k gives the same rotations, and one 15% smaller or larger than CMU's is
-    solved 1.2-1.8 deg closer to the truth, at 0.03 deg more on CMU's own subjects
+    solved 1.1-1.6 deg closer to the truth, at 0.03 deg more on CMU's own subjects
     (BENCHMARKS.md "Subject size"). False gives the network the input as it is.
     """
     if offsets is not None and offsets_from is not None:  # before the (slow) model load
@@ -1382,8 +1413,8 @@ class IKSolver:
         end_sites = (np.asarray(end_sites, np.float64) * parse_units(units)) @ parse_input_axes(
             input_axes, self.rig).T
     if offsets is not None and (units is not None or input_axes is not None):
-      offsets = check_offsets(offsets, self.rig) * parse_units(units) @ parse_input_axes(
-          input_axes, self.rig).T  # the positions' units and axes, like the end sites
+      offsets = _offsets_as_positions(check_offsets(offsets, self.rig), parse_units(units),
+                                      parse_input_axes(input_axes, self.rig), self.rig)
     sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
     if self.window > 1:  # the same causal windows as a stream of these frames (windows.py)
       sparse = {'history': windows.clip_history(pos, self.window, self.window_ratio)}

@@ -214,9 +214,17 @@ def test_size_normalization_makes_any_subject_scale_the_same(cmu_shards, tiny_ik
 
 
 def test_cli_refuses_negative_noise_refinement_and_dropout():
-  from absl import flags
-  from experiments import evaluate
-  evaluate.define_flags()
-  for name, bad in (('noise_mm', '-1'), ('refine_iters', '-3'), ('joint_dropout', '1.5')):
-    with pytest.raises(flags.IllegalFlagValueError):
-      flags.FLAGS[name].parse(bad)
+  """In a process of its own: the main's flags are global (another main's test may define
+  its own --checkpoint in this one)."""
+  code = ('from absl import flags\n'
+          'from experiments import evaluate\n'
+          'evaluate.define_flags()\n'
+          "for name, bad in (('noise_mm', '-1'), ('refine_iters', '-3'), "
+          "('joint_dropout', '1.5')):\n"
+          '  try:\n'
+          '    flags.FLAGS[name].parse(bad)\n'
+          '  except flags.IllegalFlagValueError:\n'
+          '    print("refused", name)\n')
+  p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+  assert p.stdout.split('\n')[:3] == ['refused noise_mm', 'refused refine_iters',
+                                       'refused joint_dropout'], p.stdout + p.stderr[-2000:]

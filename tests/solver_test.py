@@ -760,6 +760,12 @@ def test_offsets_are_in_the_positions_units_and_axes(solver):
     solver.solve(pos * 1000, offsets=off, units='mm')
   with pytest.raises(InputError, match=r'offsets: the bones are 110x the template.s'):
     solver.solve(pos, offsets=off * 100)
+  with pytest.raises(InputError, match=r'median 8\d deg off once turned .* rig.s axes'):
+    solver.solve(pos @ M, offsets=off, input_axes='x,z,-y')  # offsets in rig axes: refused
+  bad = off.copy()
+  bad[3, 1] = np.nan
+  with pytest.raises(InputError, match=r'offsets contain NaN/inf: joint 3 \(Spine1\)'):
+    solver.solve(pos, offsets=bad)
 
 
 def test_a_stream_hears_units_and_axes_at_its_first_frame(tmp_path_factory):
@@ -844,6 +850,9 @@ def test_a_body_scaled_by_any_factor_gives_the_same_rotations(tmp_path_factory):
     np.testing.assert_allclose(np.stack([solver.step(f) for f in pos * k]), plain, atol=2e-5)
     streamed = np.concatenate(list(solver.solve_stream([pos[:2] * k, pos[2:] * k])))
     np.testing.assert_allclose(streamed, plain, atol=2e-5)
+  refined = IKSolver.from_checkpoint(ckpt, refine_iters=5, refine_prior=None)
+  want = refined.solve(pos, offsets=off)  # the refinement runs on the normalised body too
+  np.testing.assert_allclose(refined.solve(pos * 2.0, offsets=off * 2.0), want, atol=2e-5)
   as_is = IKSolver.from_checkpoint(ckpt, size_normalization=False)
   assert not as_is.size_normalization
   assert _max_angle(as_is.solve(pos * 2.0, offsets=off * 2.0), base.local_rot) > 1e-2
@@ -852,3 +861,26 @@ def test_a_body_scaled_by_any_factor_gives_the_same_rotations(tmp_path_factory):
 def _max_angle(a, b):
   return float(np.degrees(np.asarray(rotations.geodesic_angle(np.asarray(a, np.float32),
                                                                np.asarray(b, np.float32)))).max())
+
+
+def test_the_size_from_a_frame_barely_moves_with_a_bad_joint_or_two(tmp_path_factory):
+  """`inference.size_scale` from each frame's bones (positions alone) is a median over the
+  bones: a forearm and hand collapsed onto the shoulder (two bones 0, one far longer) move it
+  under 3%, where the summed length moved 14%; a tracker subset that shares no bone gets 1."""
+  from ik_gat_jax import inference
+  solver = get_solver(tmp_path_factory)
+  rig, off = solver.rig, solver.offsets
+  pos = posed_clip(rig, off * 1.2, T=4, seed=10, scale=0.3)
+  template = np.broadcast_to(off, pos.shape)
+  clean = np.asarray(inference.size_scale(pos, template, rig))
+  np.testing.assert_allclose(clean, 1 / 1.2, rtol=1e-5)
+  n = rig.joint_names
+  bad = pos.copy()
+  bad[:, n.index('LeftForeArm')] = bad[:, n.index('LeftHand')] = bad[:, n.index('LeftArm')]
+  np.testing.assert_allclose(np.asarray(inference.size_scale(bad, template, rig)), clean,
+                             rtol=0.03)
+  mask = np.zeros(pos.shape[:2], bool)
+  mask[:, [n.index(j) for j in ('Hips', 'Head', 'LeftHand', 'RightHand')]] = True
+  np.testing.assert_array_equal(np.asarray(inference.size_scale(pos, template, rig, mask)), 1.0)
+  np.testing.assert_allclose(np.asarray(inference.size_scale(pos, off * 1.2, rig)), 1 / 1.2,
+                             rtol=1e-5)  # from the subject's offsets
