@@ -1091,7 +1091,7 @@ class IKSolver:
     template's size (rotations do not change with a body's scale), from the subject's offsets,
     or each frame's own bones where the offsets are the template's (no subject given): a body
     scaled by any k gives the same rotations, and one 15% smaller or larger than CMU's is
-    solved 1.1-1.6 deg closer to the truth, at 0.03 deg more on CMU's own subjects
+    solved 0.9-1.6 deg closer to the truth, at 0.02-0.04 deg more on CMU's own subjects
     (BENCHMARKS.md "Subject size"). False gives the network the input as it is.
     """
     if offsets is not None and offsets_from is not None:  # before the (slow) model load
