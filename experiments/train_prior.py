@@ -7,7 +7,9 @@ Rerunning with the same --workdir resumes (another config or other data is refus
 line, as in experiments.train). At the end it reports val reconstruction (deg, mm),
 active latent dimensions and sample realism, printed and in WORKDIR/prior_report.json. A
 finished run with its report says so and exits 0; a lower --steps than it was trained to is
-refused. --config defaults to this package's configs/prior.py, from any working directory.
+refused, and a higher one resumes with the cosine learning-rate schedule stretched over it (the
+rate jumps back up: experiments.train). --config defaults to this package's configs/prior.py,
+from any working directory.
 """
 
 from pathlib import Path
@@ -35,6 +37,16 @@ def define_flags() -> None:
   _STEPS = flags.DEFINE_integer('steps', None, 'Training steps (overrides the config).')
 
 
+def report_split(data_dir: str, train_data: data.Dataset) -> data.Dataset:
+  """The split the report measures reconstruction on: val, or `train_data` when there is no
+  val split or it has no frames (the trainer then trains without validation)."""
+  if 'val' in data.available_splits(data_dir):
+    val = data.load_shards(data_dir, 'val')
+    if len(val):
+      return val
+  return train_data
+
+
 @fail_on_user_error
 def main(argv):
   del argv
@@ -58,8 +70,7 @@ def main(argv):
   if finished and report_path.is_file():  # trained before, report written: nothing to redo
     return
   model, meta = inference.load_model(_WORKDIR.value, task=prior_task.PRIOR_TASK)
-  val_split = 'val' if 'val' in data.available_splits(config.data) else 'train'
-  report = prior_task.evaluate_prior(model, train_data, data.load_shards(config.data, val_split),
+  report = prior_task.evaluate_prior(model, train_data, report_split(config.data, train_data),
                                      train_data.rig, config)
   r = report['val_reconstruction']
   print(f"prior: val reconstruction {r['local_rot_err_deg']:.2f} deg, {r['mpjpe_mm']:.1f} mm; "

@@ -25,10 +25,12 @@ Library code never reads flags: `experiments/train.py` parses them and calls
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -70,7 +72,15 @@ def _cluster_launch(environ: Mapping[str, str]) -> str | None:
   return None
 
 
-def initialize_distributed(mode: str = 'auto', environ: Mapping[str, str] = os.environ) -> bool:
+# JAX's default `initialization_timeout` (seconds), and how much later than the watchdog
+# of `initialize_distributed` JAX's own deadline (a C++ abort) comes.
+DISTRIBUTED_TIMEOUT_S = 300
+_DEADLINE_GRACE_S = 10
+
+
+def initialize_distributed(mode: str = 'auto', environ: Mapping[str, str] = os.environ,
+                           timeout_s: int = DISTRIBUTED_TIMEOUT_S,
+                           log: Callable[[str], None] = print) -> bool:
   """Starts `jax.distributed` for a run over several processes; call before any other JAX use.
 
   mode: 'on' always, 'off' never, 'auto' when a launcher's environment is present
@@ -78,19 +88,94 @@ def initialize_distributed(mode: str = 'auto', environ: Mapping[str, str] = os.e
   worker hosts). With `JAX_COORDINATOR_ADDRESS` (host:port of process 0), `JAX_NUM_PROCESSES`
   and `JAX_PROCESS_ID` give the process count and this process's index; otherwise JAX detects
   them from the cluster (use 'on' on a TPU VM pod slice, which JAX detects from its metadata).
-  Returns whether it initialized.
+  A launcher environment that cannot work (a variable missing or not a number, no cluster
+  found) is a one-line ValueError naming what to set. Logs one line before connecting; when no
+  cluster forms within `timeout_s` seconds (no coordinator at the address, a wrong port, a
+  process missing or two with one id), prints one line to stderr and exits the process with
+  status 2 (`os._exit` from a watchdog thread: JAX's own failure is a C++ abort). Returns
+  whether it initialized.
   """
   if mode not in ('auto', 'on', 'off'):
     raise ValueError(f"distributed must be 'auto', 'on' or 'off', got {mode!r}")
-  if mode == 'off' or (mode == 'auto' and _cluster_launch(environ) is None):
+  if isinstance(timeout_s, bool) or not isinstance(timeout_s, int) or timeout_s < 1:
+    raise ValueError(f'--distributed_timeout must be a positive number of seconds, got '
+                     f'{timeout_s!r}')
+  launcher = _cluster_launch(environ)
+  if mode == 'off' or (mode == 'auto' and launcher is None):
     return False
-  kwargs = {}
-  if environ.get('JAX_COORDINATOR_ADDRESS') and environ.get('JAX_NUM_PROCESSES'):
-    kwargs = dict(coordinator_address=environ['JAX_COORDINATOR_ADDRESS'],
-                  num_processes=int(environ['JAX_NUM_PROCESSES']),
-                  process_id=int(environ['JAX_PROCESS_ID']))
-  jax.distributed.initialize(**kwargs)
+  kwargs = _coordinator_from_env(environ)
+  if kwargs:
+    who = (f"the coordinator {kwargs['coordinator_address']} as process {kwargs['process_id']} "
+           f"of {kwargs['num_processes']}")
+  else:
+    who = (f'the coordinator of the {launcher} environment' if launcher else
+           'the coordinator that JAX detects')
+  log(f'connecting to {who} (timeout {timeout_s} s)...')
+  joined = threading.Event()
+
+  def give_up():
+    if joined.is_set():
+      return
+    print(f'error: no cluster formed within {timeout_s} s connecting to {who}: check that '
+          "process 0 runs, that every process has process 0's host and a free port in "
+          'JAX_COORDINATOR_ADDRESS, the same JAX_NUM_PROCESSES and its own JAX_PROCESS_ID, or '
+          'wait longer with --distributed_timeout', file=sys.stderr, flush=True)
+    os._exit(2)  # pylint: disable=protected-access
+
+  watchdog = threading.Timer(timeout_s, give_up)
+  watchdog.daemon = True
+  watchdog.start()
+  try:  # JAX's own deadline later: the watchdog's line comes first
+    jax.distributed.initialize(**kwargs, initialization_timeout=timeout_s + _DEADLINE_GRACE_S)
+  except ValueError as e:  # JAX found no cluster: 'coordinator_address should be defined.' ...
+    if 'defined' not in str(e):
+      raise
+    raise ValueError('jax.distributed found no cluster to join: set JAX_COORDINATOR_ADDRESS '
+                     '(host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID on every '
+                     'process, or run under SLURM, Open MPI or on a multi-host Cloud TPU '
+                     f'(JAX: {e})') from None
+  finally:
+    joined.set()
+    watchdog.cancel()
   return True
+
+
+def _coordinator_from_env(environ: Mapping[str, str]) -> dict:
+  """`jax.distributed.initialize`'s address, count and id from `JAX_COORDINATOR_ADDRESS`,
+  `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`, checked ({}: JAX detects them from the cluster)."""
+  address = environ.get('JAX_COORDINATOR_ADDRESS', '')
+  names = ('JAX_NUM_PROCESSES', 'JAX_PROCESS_ID')
+  given = [k for k in names if environ.get(k, '') != '']
+  if not address:
+    if given:
+      raise ValueError(f'{" and ".join(given)} set without JAX_COORDINATOR_ADDRESS: set it to '
+                       'host:port of process 0 on every process')
+    return {}
+  if not given and _cluster_launch({k: v for k, v in environ.items()
+                                    if k != 'JAX_COORDINATOR_ADDRESS'}):
+    return {}  # the count and the id come from SLURM, Open MPI or the TPU's metadata
+  missing = [k for k in names if k not in given]
+  if missing:
+    raise ValueError(f'JAX_COORDINATOR_ADDRESS is set ({address}) but {" and ".join(missing)} '
+                     f'{"is" if len(missing) == 1 else "are"} not: set JAX_NUM_PROCESSES (the '
+                     "process count) and JAX_PROCESS_ID (this process's index, 0 to count - 1) "
+                     'on every process')
+  host, _, port = address.rpartition(':')
+  if not host or not port.isdigit():
+    raise ValueError(f'JAX_COORDINATOR_ADDRESS must be host:port (process 0\'s host and a free '
+                     f'port), got {address!r}')
+  values = {}
+  for k in names:
+    v = environ[k].strip()
+    if not (v.isdigit() and (k == 'JAX_PROCESS_ID' or int(v) >= 1)):
+      what = ("a whole number, this process's index from 0" if k == 'JAX_PROCESS_ID' else
+              'a positive whole number, the process count')
+      raise ValueError(f'{k} must be {what}, got {environ[k]!r}')
+    values[k] = int(v)
+  n, i = values['JAX_NUM_PROCESSES'], values['JAX_PROCESS_ID']
+  if i >= n:
+    raise ValueError(f'JAX_PROCESS_ID={i} but JAX_NUM_PROCESSES={n}: the ids are 0 to {n - 1}')
+  return dict(coordinator_address=address, num_processes=n, process_id=i)
 
 
 def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -273,8 +358,13 @@ def saved_part(state: dict, keys=('params', 'rest', 'opt_state', 'step', 'ema'))
 
 
 def make_train_step(task: Task, graphdef, config, rig: Rig, mesh: Mesh | None = None,
-                    teacher: nnx.Module | None = None):
+                    teacher: nnx.Module | None = None, stop_flags: bool = False):
   """The jitted update: `(state, batch) -> (state, metrics)`; donates `state`.
+
+  `stop_flags` (several processes, `train_and_evaluate`): the update takes a third argument,
+  `stop_flags(mesh, flag)` of every process, and its metrics carry 'stop', the number of
+  devices whose process's flag was set, equal on all processes: a float summed in the step's
+  gradient all-reduce (XLA combines the two), no collective of its own.
 
   `teacher` (distillation, `config.train.distill_from`; `load_teacher`): a trained model whose
   deterministic output on the same augmented inputs the task's loss also matches (its
@@ -309,8 +399,21 @@ def make_train_step(task: Task, graphdef, config, rig: Rig, mesh: Mesh | None = 
       new_state['ema'] = ema_update(state['ema'], params, new_state['step'], decay)
     return new_state, {'loss': loss, 'grad_norm': optax.tree.norm(grads), **aux}
 
+  if stop_flags:
+    def step_and_stop(state, batch, stop):
+      state, metrics_ = step(state, batch)
+      return state, {**metrics_, 'stop': jnp.sum(stop.astype(jnp.float32))}
+
+    return jax.jit(step_and_stop, donate_argnums=0, out_shardings=replicated(mesh),
+                   in_shardings=(replicated(mesh), batch_sharding(mesh), batch_sharding(mesh)))
   return jax.jit(step, donate_argnums=0, in_shardings=(replicated(mesh), batch_sharding(mesh)),
                  out_shardings=replicated(mesh))
+
+
+def stop_flags(mesh: Mesh, flag: bool) -> jax.Array:
+  """This process's stop flag as its rows of a global int32 `[mesh.size]` (one per device)."""
+  local = np.full(len(mesh.local_devices), int(flag), np.int32)
+  return jax.make_array_from_process_local_data(batch_sharding(mesh), local, (mesh.size,))
 
 
 def make_predict(task: Task, graphdef, config, rig: Rig, mesh: Mesh | None = None):
@@ -451,8 +554,10 @@ class GracefulStop:
 
   The jitted step donates the state, so an interrupt raised inside it would leave nothing to
   save. The first signal only sets a flag that `watch` checks between steps; a second Ctrl-C
-  interrupts at once (the last checkpoint on disk then stands). Handlers are installed only in
-  the main thread and restored by `restore`.
+  interrupts at once (the last checkpoint on disk then stands). With several processes the
+  trainer sends the flag with every step instead (`make_train_step`'s `stop_flags`), so that
+  all stop after the same step. Handlers are installed only in the main thread and restored
+  by `restore`.
   """
 
   def __init__(self, log: Callable[[str], None]):
@@ -479,6 +584,10 @@ class GracefulStop:
     for sig, handler in self._old.items():
       signal.signal(sig, handler)
     self._old = {}
+
+
+class _AllStop(KeyboardInterrupt):
+  """The stop all processes of a run agreed on (`train_and_evaluate`)."""
 
 
 def _is_deleted(tree) -> bool:
@@ -655,6 +764,85 @@ def _check_same_data(workdir: Path, saved: dict | None, data_info: dict) -> None
                      'that --data to resume it, or use a new --workdir')
 
 
+def _load_splits(data_dir: str) -> tuple[data_lib.Dataset, data_lib.Dataset | None]:
+  """The train split of `data_dir` and its val split (None without one); a ValueError when the
+  train split has no frames."""
+  train_data = data_lib.load_shards(data_dir, 'train')
+  if not len(train_data):
+    raise ValueError(f'the train split of {data_dir} has 0 frames: nothing to train on')
+  val_data = (data_lib.load_shards(data_dir, 'val')
+              if 'val' in data_lib.available_splits(data_dir) else None)
+  return train_data, val_data
+
+
+def _allgather(x: np.ndarray) -> np.ndarray:
+  """`x` of every process, stacked in process order (a collective: every process calls it)."""
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return np.asarray(multihost_utils.process_allgather(np.asarray(x)))
+
+
+def _processes_text(ids: Sequence[int]) -> str:
+  return f'process{"es" if len(ids) > 1 else ""} {", ".join(map(str, ids))}'
+
+
+def _check_shared_workdir(workdir: Path, wait_s: float = 3.0) -> None:
+  """With several processes: a ValueError on every process unless each sees the file that
+  process 0 writes into `workdir` (or into its nearest existing parent, before the run makes
+  it), waiting up to `wait_s` for a slow file system. All processes write checkpoints into one
+  folder together; one that does not share it hangs the first save. The file is removed."""
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  probe_dir = workdir.absolute()
+  while not probe_dir.is_dir() and probe_dir != probe_dir.parent:
+    probe_dir = probe_dir.parent
+  token = os.urandom(8).hex() if jax.process_index() == 0 else '0' * 16
+  token = bytes(np.asarray(multihost_utils.broadcast_one_to_all(
+      np.frombuffer(bytes.fromhex(token), np.uint8))).astype(np.uint8)).hex()
+  probe = probe_dir / f'.ik_gat_jax_probe_{token}'  # a new name: no cached lookup of it
+  if jax.process_index() == 0:
+    probe.write_text('every process of a run must see this file; it is removed at once\n')
+  multihost_utils.sync_global_devices('ik_gat_jax workdir probe written')
+  deadline = time.time() + wait_s
+  while not probe.is_file() and time.time() < deadline:
+    time.sleep(0.2)
+  seen = _allgather(np.int32(probe.is_file()))
+  if jax.process_index() == 0:
+    probe.unlink(missing_ok=True)
+  blind = [p for p, ok in enumerate(seen) if not ok]
+  if blind:
+    raise ValueError(f'--workdir {workdir} is not shared by all {len(seen)} processes: '
+                     f'{_processes_text(blind)} cannot see the file process 0 wrote there '
+                     f'({probe_dir} here); put it on a file system every host mounts at the same '
+                     'path (all processes write the checkpoints there together)')
+
+
+def _check_data_of_every_process(data_info: dict | None, error: BaseException | None) -> None:
+  """With several processes: re-raises this process's `error` (loading its shards), else a
+  ValueError on every process when another could not load its shards or holds other ones than
+  process 0 (rig, split or frame counts of `provenance.data_provenance` differ), naming it."""
+  fields = ('rig_sha256', 'split_sha256', 'frames')
+  digest = np.zeros(1 + len(fields), np.int32)
+  if error is None:
+    digest[1:] = [int.from_bytes(hashlib.sha256(json.dumps(data_info[k], sort_keys=True)
+                                                .encode()).digest()[:3], 'little')
+                  for k in fields]
+  else:
+    digest[0] = 1
+  every = _allgather(digest)
+  if error is not None:
+    raise error
+  failed = [p for p in range(len(every)) if every[p, 0]]
+  if failed:
+    raise ValueError(f'{_processes_text(failed)} could not load the shards (see the error '
+                     'there): every host needs a copy of the same shards')
+  other = [p for p in range(len(every)) if (every[p] != every[0]).any()]
+  if other:
+    which = [k.removesuffix('_sha256') for i, k in enumerate(fields)
+             if (every[other, 1 + i] != every[0, 1 + i]).any()]
+    raise ValueError(f'the processes hold different shards: the {", ".join(which)} of '
+                     f'{_processes_text(other)} differ from process 0\'s (--data here: '
+                     f'{data_info["data_dir"]}): give every host a copy of the same shards')
+
+
 def _truncate_log(path: Path, step: int) -> None:
   """Drops the rows of `path` (log.jsonl) logged after `step`, the step a run resumes from,
   and a torn last row (a killed write), so the log reads as one uninterrupted run; rewritten
@@ -689,16 +877,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   every device of every process) shards each global batch of `config.train.batch_size`
   frames, which must divide by its device count. With several processes
   (`initialize_distributed`) each reads its own rows of every batch, all see the same `workdir`
-  (a shared file system), and only process 0 logs and writes the JSON files. Returns the final
-  validation metrics (or {} without a val split).
+  (a shared file system) and hold the same shards (both checked at the start, on every process:
+  a ValueError naming the processes that differ), and only process 0 logs and writes the JSON
+  files; a stop signal reaching any of them (`GracefulStop`) stops all after the same step, and
+  all save the checkpoint. A val split of 0 frames is trained without (one line says so), a
+  train split of 0 frames refused, one smaller than a batch trained (one line). Returns the
+  final validation metrics (or {} without validation).
   """
   workdir = Path(workdir)
   tc = config.train
   check_train_config(tc)
   mesh = make_mesh() if mesh is None else mesh
   check_batch_size(tc.batch_size, mesh)
-  chief = jax.process_index() == 0
+  chief, several = jax.process_index() == 0, jax.process_count() > 1
   log = log if chief else (lambda msg: None)
+  if several:  # before anything reads the workdir: each process must see the same one
+    _check_shared_workdir(workdir)
   saved = _check_resumable(workdir, config)  # refusals first: nothing written yet
   done = finished_run(workdir, int(tc.steps)) if saved is not None else None
   if done is not None:
@@ -706,12 +900,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     return done.get('val') or {}
   # Everything that can refuse the run (data, window rate, init_from, teacher) before the
   # workdir is made: a refused command leaves no folder behind.
-  train_data = data_lib.load_shards(config.data, 'train')
-  val_data = (data_lib.load_shards(config.data, 'val')
-              if 'val' in data_lib.available_splits(config.data) else None)
+  try:
+    train_data, val_data = _load_splits(config.data)
+    data_info, error = provenance.data_provenance(train_data), None
+  except Exception as e:  # pylint: disable=broad-except  (several: raised after agreeing)
+    if not several:
+      raise
+    data_info, error = None, e
+  if several:  # every process reads its own copy of the shards: they must be the same
+    _check_data_of_every_process(data_info, error)
   rig = train_data.rig
+  if val_data is not None and not len(val_data):
+    log(f'the val split of {config.data} has 0 frames: training without validation (the best '
+        'checkpoint is the last)')
+    val_data = None
+  if len(train_data) < tc.batch_size:
+    log(f'the train split of {config.data} has {len(train_data)} frames, fewer than a batch of '
+        f'{tc.batch_size}: every batch repeats frames')
   check_window_fps(config, train_data)
-  data_info = provenance.data_provenance(train_data)
   _check_same_data(workdir, saved, data_info)
   graphdef, state = init_state(task, config, rig, train_data)
   if tc.get('init_from') and saved is None:  # a fresh run only; resume restores
@@ -762,7 +968,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     atomic.write_json(workdir / 'config.json', config.to_dict())
     _truncate_log(workdir / 'log.jsonl', int(state['step']))  # rows after the restored step go
 
-  train_step = make_train_step(task, graphdef, config, rig, mesh, teacher)
+  train_step = make_train_step(task, graphdef, config, rig, mesh, teacher, stop_flags=several)
   predict = make_predict(task, graphdef, config, rig, mesh)
   writer = MetricWriter(workdir, enabled=chief)
   step = int(state['step'])
@@ -803,10 +1009,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
           window=inference.training_window(config))), depth=tc.get('prefetch', 2))
   progress = _Progress(step, pipeline)
   stopper = GracefulStop(log)
+  # Several processes stop after the same step, or one would wait in the next step's
+  # all-reduce while another saves: each step carries every process's stop flag, and all stop
+  # after the step following the first that carried one (read a step late: no host sync).
+  carried = None  # 'stop' of the previous step (several processes)
   try:
-    for batch_step, batch in stopper.watch(pipeline):
+    for batch_step, batch in (pipeline if several else stopper.watch(pipeline)):
       assert batch_step == step, (batch_step, step)
-      state, m = train_step(state, batch)
+      if several:
+        state, m = train_step(state, batch, stop_flags(mesh, stopper.requested))
+        stop, carried = carried, m.pop('stop')
+      else:
+        state, m = train_step(state, batch)
       step += 1
       progress.add(m['loss'])
       if step % tc.log_every == 0 or step == tc.steps:
@@ -825,15 +1039,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         run_validation(step)
       if step % tc.checkpoint_every == 0 and step < tc.steps:
         save_latest(step, 'running')
-  except KeyboardInterrupt:
-    if _is_deleted(state):  # a second Ctrl-C inside a step that had donated the state
+      if several and stop is not None and int(stop) and step < tc.steps:
+        if not stopper.requested:
+          log('stop requested on another process: all stop here')
+        raise _AllStop
+  except KeyboardInterrupt as e:
+    alone = several and not isinstance(e, _AllStop)  # a second Ctrl-C: saving would hang
+    if alone or _is_deleted(state):  # or one inside a step that had donated the state
       saved_step = latest.latest_step()
       if chief:  # the manifest must not keep saying 'running'
         _write_run_json(workdir, {
             **manifest, 'status': 'interrupted', 'step': saved_step, 'val': last_val,
             'best_value': best_value})
-      log(f'interrupted inside step {step}; the last saved checkpoint (step {saved_step}) '
-          'stands. Rerun the same command to resume from it.')
+      log(f'interrupted {"at once at" if alone else "inside"} step {step}; the last saved '
+          f'checkpoint (step {saved_step}) stands. Rerun the same command to resume from it.')
     else:
       save_latest(step, 'interrupted')
       log(f'interrupted at step {step}; checkpoint saved. Rerun the same command to resume.')

@@ -89,7 +89,8 @@ def cmu_dir() -> Path:
 # ran them alone for minutes. Only the order changes; an unknown or renamed module runs after.
 LONGEST_FIRST = ('train_test', 'benchmark_test', 'train_rig_test', 'iterative_ik_test',
                  'device_check_test', 'model_test', 'scale_test', 'evaluation_test',
-                 'distributed_test', 'window_model_test', 'shipped_test', 'masking_test')
+                 'distributed_test', 'multihost_test', 'window_model_test', 'shipped_test',
+                 'masking_test')
 
 
 CLIENT_FPS, CLIENT_FRAMES = 30.0, 45

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import ml_collections
+import numpy as np
 import pytest
 
 from ik_gat_jax import checkpointing, inference, prior_task, train
@@ -180,6 +181,49 @@ def train_only_shards(cmu_dir, tmp_path_factory):
   out = tmp_path_factory.mktemp('train_only')
   conversion.convert(cmu_dir / '09_03.bvh', 'cmu_body', out, split='train', log=_quiet)
   return out
+
+
+def _emptied(shards: Path, out: Path, split: str) -> Path:
+  """A copy of `shards` whose `split` holds 0 frames (its arrays cut to no rows), as a shard
+  directory made by hand or by another tool can be (data_prep refuses files without frames)."""
+  shutil.copytree(shards, out)
+  for f in (out / split).glob('*.npy'):
+    np.save(f, np.load(f)[:0])
+  summary = json.loads((out / 'summary.json').read_text())
+  summary['frames'][split] = 0
+  (out / 'summary.json').write_text(json.dumps(summary))
+  return out
+
+
+def test_an_empty_val_split_trains_without_validation_and_a_small_one_says_so(
+    cmu_shards, tiny_config, tmp_path):
+  """A val split of 0 frames: one line, then a run without validation (the old trainer failed
+  at the first validation, run.json left 'running'); a train split smaller than one batch (116
+  frames, batch 128): one line; a train split of 0 frames: refused, nothing written. The prior's
+  report measures the train split when val has no frames (`train_prior.report_split`)."""
+  shards = _emptied(cmu_shards, tmp_path / 'shards', 'val')
+  c = tiny_config(shards, train=dict(steps=2, batch_size=128, log_every=1, eval_every=1,
+                                     checkpoint_every=1))
+  lines = []
+  assert train.train_and_evaluate(c, tmp_path / 'w', log=lines.append) == {}
+  assert lines[:2] == [
+      f'the val split of {shards} has 0 frames: training without validation (the best '
+      'checkpoint is the last)',
+      f'the train split of {shards} has 116 frames, fewer than a batch of 128: every batch '
+      'repeats frames']
+  run = _strict_json((tmp_path / 'w' / 'run.json').read_text())
+  assert (run['status'], run['step'], run['val']) == ('done', 2, {})
+  inference.load_model(tmp_path / 'w')
+  no_train = _emptied(cmu_shards, tmp_path / 'no_train', 'train')
+  with pytest.raises(ValueError, match=rf'^the train split of {re.escape(str(no_train))} has 0 '
+                     r'frames: nothing to train on$'):
+    train.train_and_evaluate(tiny_config(no_train), tmp_path / 'x', log=_quiet)
+  assert not (tmp_path / 'x').exists()
+  from experiments import train_prior  # pylint: disable=import-outside-toplevel
+  from ik_gat_jax.data import load_shards  # pylint: disable=import-outside-toplevel
+  train_set = load_shards(shards, 'train')
+  assert train_prior.report_split(str(shards), train_set) is train_set
+  assert train_prior.report_split(str(cmu_shards), train_set).split == 'val'
 
 
 def test_run_json_is_strict_json_without_a_val_split(train_only_shards, tiny_config, tmp_path):
