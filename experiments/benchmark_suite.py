@@ -1141,7 +1141,8 @@ def plot_data_from_tables(md: str) -> dict:
   pareto = [{'name': r[col['point']], 'family': r[col['family']],
              'iters': None if r[col['iters']] == '-' else int(r[col['iters']]),
              'local_rot_err_deg': num(r[col['local (deg)']]),
-             'ms_per_frame': num(r[col['ms/frame']]), 'batch': int(batch.group(1)) if batch else '?'}
+             'ms_per_frame': num(r[col['ms/frame']]),
+             'batch': int(batch.group(1)) if batch else '?'}
             for r in rows]
   head, rows = _markdown_rows(md, 'Noise: local rotation error')
   levels = [num(h.split()[0]) for h in head[1:]]

@@ -288,9 +288,10 @@ def ikgat_infer(model, batch, config=None, rig=None,
 
   `size_normalization`: the network sees each body scaled to the rig template's size
   (`size_scale`: from `batch['offsets']`, or the frame's own bones where those are the
-  template's), and a refinement runs on that body too; the outputs keep the input's size. A
-  body scaled by k then gives the same rotations for any k (to float32 round-off), and a subject smaller or larger than the training data's is solved as one of its size
-  (BENCHMARKS.md "Subject size")."""
+  template's), and a refinement runs on that body too; the outputs keep the input's size. A body
+  scaled by k then gives the same rotations for any k (to float32 round-off), and a subject
+  smaller or larger than the training data's is solved as one of its size (BENCHMARKS.md "Subject
+  size")."""
   del config
   rig = rig or model.rig
   inputs = {'positions': batch['positions'], 'bone_frames': batch['bone_frames'],
