@@ -41,7 +41,7 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 from data_prep import conversion  # noqa: E402
-from experiments.common import run_main  # noqa: E402
+from ik_gat_jax.absl_main import run_main  # noqa: E402
 from ik_gat_jax.errors import ConversionError  # noqa: E402
 from ik_gat_jax.io import bvh  # noqa: E402
 

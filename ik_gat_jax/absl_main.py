@@ -1,0 +1,67 @@
+"""Running an absl main (`run_main`): as `absl.app.run`, with --help exiting 0 and a config
+override of no field refused in one line. Here, below the mains of both `experiments` and
+`data_prep` (and re-exported by `experiments.common`), so neither package imports the other's."""
+
+import re
+import sys
+from typing import Callable, NoReturn, Sequence
+
+from absl import app, flags
+
+
+def run_main(main: Callable, define_flags: Callable[[], None] | None = None,
+             required: Sequence[str] = ()) -> None:
+  """Runs the absl `main` of a command line as `app.run` does, after `define_flags()` (the
+  main's flags, defined only when it runs) and marking the `required` flags, except that:
+  - --help (--helpshort, --helpfull, --helpxml) prints its text and exits 0, not absl's 1;
+  - an override of a config flag naming a field the config does not have
+    (`--config.train.lrr=1`) is refused in one line, `error: ...`, exit status 2, not a
+    traceback (absl's other bad flags: its two lines, exit status 1).
+  """
+  try:
+    if define_flags is not None:
+      define_flags()  # a config file flag without --config=FILE parses its overrides here
+  except (KeyError, AttributeError) as e:
+    _unknown_config_field(e, sys.argv)
+  if required:
+    flags.mark_flags_as_required(list(required))
+  app.run(main, flags_parser=_parse_flags)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing (`app.parse_flags_with_usage`), with exit status 0 after a help text
+  and a one-line refusal of an override of no config field (`run_main`)."""
+  try:
+    return flags.FLAGS(argv)
+  except SystemExit as e:  # only the help flags exit while parsing (bad flags raise Error)
+    sys.exit(0 if e.code == 1 else e.code)
+  except (KeyError, AttributeError) as e:
+    _unknown_config_field(e, argv)
+  except flags.Error:  # absl's own report, exit status 1: parse again (it fails the same way)
+    pass
+  return app.parse_flags_with_usage(argv)
+
+
+def _unknown_config_field(e: BaseException, argv: Sequence[str]) -> NoReturn:
+  """Exits 2 with `error: --config.train.lrr: the config has no field train.lrr (did you mean
+  --config.train.lr?)` for ml_collections' KeyError or AttributeError `e` about a field that a
+  `--NAME.a.b=value` override in `argv` names; re-raises `e` when none does (a bug elsewhere)."""
+  chain, x = [], e
+  while x is not None and x not in chain:
+    chain.append(x)
+    x = x.__cause__ or x.__context__
+  missing = next((x.args[0] for x in reversed(chain) if isinstance(x, KeyError) and x.args
+                  and isinstance(x.args[0], str)), None)
+  hint = next((m.group(1) for m in (re.search(r'Did you mean "(\w+)"', str(x)) for x in chain)
+               if m), None)
+  for arg in argv[1:]:
+    m = re.match(r'--?(?:no)?(\w+(?:\.\w+)+)(?:=|$)', arg)
+    parts = m.group(1).split('.') if m else []
+    if missing in parts[1:]:
+      i = parts.index(missing, 1)
+      said = f'error: --{m.group(1)}: the config has no field {".".join(parts[1:i + 1])}'
+      if hint:
+        said += f' (did you mean --{".".join(parts[:i] + [hint] + parts[i + 1:])}?)'
+      print(said, file=sys.stderr)
+      sys.exit(2)
+  raise e
