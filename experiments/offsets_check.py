@@ -85,7 +85,8 @@ def main(argv):
   F = flags.FLAGS
   noise = noise_levels(F.noise_mm)
   ds = data.load_shards(F.data, F.split)
-  solver = IKSolver.from_checkpoint(F.checkpoint, expected_rig=ds.rig)
+  # The network as trained, as experiments.evaluate measures it (its rows are compared).
+  solver = IKSolver.from_checkpoint(F.checkpoint, expected_rig=ds.rig, size_normalization=False)
   results = run(ds, solver, noise)
   print(f'{ds.split} split, {solver.source}: the rest offsets the solver is given')
   print(table(results))

@@ -111,7 +111,8 @@ def main(argv):
   noise = noise_levels(F.noise_mm)
   windows = parse_windows(F.windows)
   ds = data.load_shards(F.data, F.split)
-  solver = IKSolver.from_checkpoint(F.checkpoint, expected_rig=ds.rig)
+  # The network as trained, as experiments.evaluate measures it (its rows are compared).
+  solver = IKSolver.from_checkpoint(F.checkpoint, expected_rig=ds.rig, size_normalization=False)
   results = run(ds, solver, noise, windows, F.subject)
   names = list(next(iter(next(iter(results.values())).values())))
   print(f'{ds.split} split{" subject " + F.subject if F.subject else ""}, '

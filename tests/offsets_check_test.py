@@ -14,7 +14,7 @@ from ik_gat_jax.solver import IKSolver
 
 def test_the_offsets_rows_agree_with_the_evaluation_and_fitting_keeps_the_rotations(cmu_shards):
   ds = data.load_shards(cmu_shards, 'val')
-  solver = IKSolver.from_checkpoint(expected_rig=ds.rig)
+  solver = IKSolver.from_checkpoint(expected_rig=ds.rig, size_normalization=False)  # as evaluate
   res = offsets_check.run(ds, solver, [0.0])[0.0]
   print(offsets_check.table({0.0: res}))
   method = evaluation.ikgat_method(None, ds.rig)

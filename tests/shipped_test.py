@@ -210,8 +210,8 @@ def test_bfloat16_products_on_real_frames(cmu_shards):
   val), each rotation near float32's (measured: mean 0.04-0.05 deg, at most 0.33), and a
   stream (`step`, its own executable) gives the clip path's rotations. Bounds: the error within
   0.05 deg, the rotations within a mean of 0.15 and a maximum of 2 deg (a product on wrong rows
-  or a miscompiled library dot moves them by tens of degrees), stream vs clip within 2e-5 per
-  entry as in float32 (test_mirror_averaging_on_real_frames), two workers as one alike."""
+  or a miscompiled library dot moves them by tens of degrees), stream vs clip within 1e-3 per
+  entry (bfloat16 inputs), two workers as one within 2e-5 (one executable)."""
   from ik_gat_jax import IKSolver, rotations
   ds = data.load_shards(cmu_shards, 'val')
   clean, true = np.asarray(ds.positions, np.float32), np.asarray(ds.local_rot)
@@ -227,7 +227,9 @@ def test_bfloat16_products_on_real_frames(cmu_shards):
     assert 1e-4 < moved.mean() < 0.15 and moved.max() < 2.0, (moved.mean(), moved.max())
   clip = solvers[1].solve(noisy[:5])
   streamed = np.stack([solvers[1].step(f) for f in noisy[:5]])
-  np.testing.assert_allclose(streamed, clip, atol=2e-5)
+  # The size normalisation's factor, folded into `step`'s constants, may differ from the clip
+  # path's by a float32 ulp, which can flip a bfloat16 rounding of an input: 1e-4 here.
+  np.testing.assert_allclose(streamed, clip, atol=1e-3)
   # 83 frames are two chunks on two threads at once: the library dots run concurrently and give
   # one thread's answer (another cut into blocks, so a row may sit elsewhere in its block: up
   # to float32 round-off, bound as above; a race or a wrong row moves entries by ~1e-1).
