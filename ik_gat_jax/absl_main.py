@@ -1,7 +1,9 @@
-"""Running an absl main (`run_main`): as `absl.app.run`, with --help exiting 0 and a config
-override of no field refused in one line. Here, below the mains of both `experiments` and
-`data_prep` (and re-exported by `experiments.common`), so neither package imports the other's."""
+"""Running an absl main (`run_main`): as `absl.app.run`, with --help exiting 0, and a config
+override of no field or a missing config file refused in one line. Here, below the mains of
+both `experiments` and `data_prep` (and re-exported by `experiments.common`), so neither
+package imports the other's."""
 
+import os
 import re
 import sys
 from typing import Callable, NoReturn, Sequence
@@ -15,8 +17,9 @@ def run_main(main: Callable, define_flags: Callable[[], None] | None = None,
   main's flags, defined only when it runs) and marking the `required` flags, except that:
   - --help (--helpshort, --helpfull, --helpxml) prints its text and exits 0, not absl's 1;
   - an override of a config flag naming a field the config does not have
-    (`--config.train.lrr=1`) is refused in one line, `error: ...`, exit status 2, not a
-    traceback (absl's other bad flags: its two lines, exit status 1).
+    (`--config.train.lrr=1`), or a config file that does not exist (`--config=/missing.py`),
+    is refused in one line, `error: ...`, exit status 2, not a traceback (absl's other bad
+    flags: its two lines, exit status 1).
   """
   try:
     if define_flags is not None:
@@ -32,14 +35,51 @@ def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing (`app.parse_flags_with_usage`), with exit status 0 after a help text
   and a one-line refusal of an override of no config field (`run_main`)."""
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
   except SystemExit as e:  # only the help flags exit while parsing (bad flags raise Error)
     sys.exit(0 if e.code == 1 else e.code)
   except (KeyError, AttributeError) as e:
     _unknown_config_field(e, argv)
+  except OSError as e:  # an override of a config whose file did not load
+    _unloaded_config_file(argv, e)
   except flags.Error:  # absl's own report, exit status 1: parse again (it fails the same way)
-    pass
-  return app.parse_flags_with_usage(argv)
+    return app.parse_flags_with_usage(argv)
+  _unloaded_config_file(argv)
+  return rest
+
+
+def _unloaded_config_file(argv: Sequence[str], error: OSError | None = None) -> None:
+  """Exits 2 with `error: --config=/missing.py: no such config file` when a config file flag's
+  file could not be read (ml_collections keeps its error until the config is first used: a
+  traceback from inside the main); returns when every config file loaded. `error`: the OSError
+  an override (`--config.train.lr=1`) of such a config raised while the flags were parsed
+  (re-raised when it is not about a config file)."""
+  from ml_collections.config_flags import config_flags  # pylint: disable=import-outside-toplevel
+  unloaded = getattr(config_flags, '_ErrorConfig', None)
+  parser = getattr(config_flags, 'ConfigFileFlagParser', None)
+  failed = []  # (flag name, its path in argv, the load error)
+  for name in (list(flags.FLAGS) if unloaded is not None and parser is not None else []):
+    flag = flags.FLAGS[name]
+    path = next((a.split('=', 1)[1] for a in argv[1:] if a.startswith((f'--{name}=',
+                                                                          f'-{name}='))), None)
+    if not isinstance(flag.parser, parser) or path is None:
+      continue
+    if isinstance(flag.value, unloaded):
+      failed.append((name, path, object.__getattribute__(flag.value, '_error')))
+    elif error is not None and str(error).startswith('Configuration is not available'):
+      # the override failed in this flag's own parse: its value is still the default
+      if not os.path.isfile(path.split(':', 1)[0]):
+        failed.append((name, path, error.__cause__ or error))
+  if failed:
+    name, path, cause = failed[0]
+    if isinstance(cause, FileNotFoundError) or str(cause).startswith('Failed loading config'):
+      why = 'no such config file'
+    else:
+      why = f'cannot read it ({type(cause).__name__}: {str(cause).splitlines()[0]})'
+    print(f'error: --{name}={path}: {why}', file=sys.stderr)
+    sys.exit(2)
+  if error is not None:
+    raise error
 
 
 def _unknown_config_field(e: BaseException, argv: Sequence[str]) -> NoReturn:

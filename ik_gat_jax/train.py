@@ -869,11 +869,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
 
   Rerunning with the same `workdir` resumes from `checkpoints/latest`, on any mesh, and drops
   the rows of log.jsonl logged after that step (a killed run logs past its last checkpoint); a
-  run already finished at `train.steps` is left untouched (one line says so, and the recorded
-  validation metrics are returned). A run trained past `train.steps`, or with another config
-  (anything outside `RESUME_MAY_CHANGE`; another model config: a CheckpointError) or other
-  data, a config that cannot train (`check_train_config`), missing data, `init_from` or teacher
-  are refused before anything is written (a new `workdir` is not even made). `mesh` (default:
+  run already finished at `train.steps` on the same data is left untouched (one line says so,
+  and the recorded validation metrics are returned). A run trained past `train.steps`, or with
+  another config (anything outside `RESUME_MAY_CHANGE`; another model config: a
+  CheckpointError) or other data (finished or not), a config that cannot train
+  (`check_train_config`), missing data, `init_from` or teacher are refused before anything is
+  written (a new `workdir` is not even made). `mesh` (default:
   every device of every process) shards each global batch of `config.train.batch_size`
   frames, which must divide by its device count. With several processes
   (`initialize_distributed`) each reads its own rows of every batch, all see the same `workdir`
@@ -895,7 +896,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     _check_shared_workdir(workdir)
   saved = _check_resumable(workdir, config)  # refusals first: nothing written yet
   done = finished_run(workdir, int(tc.steps)) if saved is not None else None
-  if done is not None:
+  if done is not None:  # other data is refused as for an unfinished run (memory-mapped: cheap)
+    _check_same_data(workdir, saved,
+                     provenance.data_provenance(data_lib.load_shards(config.data, 'train')))
     log(f'already done: {workdir} is trained to step {tc.steps} (run.json); nothing to do')
     return done.get('val') or {}
   # Everything that can refuse the run (data, window rate, init_from, teacher) before the

@@ -94,7 +94,8 @@ def test_resume_with_another_config_or_other_data_is_refused(cmu_shards, tiny_co
                                                            train_only_shards):
   """A rerun that would go on training the run under another recipe is refused in one line
   naming the keys with both values, touching nothing, also with a higher --steps: another
-  learning rate, batch size, seed or augmentation, or other shards."""
+  learning rate, batch size, seed or augmentation, or other shards (also at the steps it
+  finished at: not "already done")."""
   before = _snapshot(finished)
 
   def config(**changes):
@@ -111,6 +112,10 @@ def test_resume_with_another_config_or_other_data_is_refused(cmu_shards, tiny_co
       (config(seed=1, **{'augment.mirror': 0.0}),
        r'--config\.augment\.mirror=0\.5 \(this config 0\.0\), --config\.seed=0 \(this config 1\)'),
       (tiny_config(train_only_shards, train=dict(steps=30)),
+       rf'^{re.escape(str(finished))} was trained on other data \({re.escape(str(cmu_shards))}; '
+       r'its (split, )?frames differ from '),
+      # finished at these steps: other data is not "already done" either
+      (tiny_config(train_only_shards),
        rf'^{re.escape(str(finished))} was trained on other data \({re.escape(str(cmu_shards))}; '
        r'its (split, )?frames differ from '),
   ]
@@ -250,8 +255,9 @@ def test_mains_run_from_any_directory_and_answer_reruns_in_one_line(cmu_shards, 
   """From another working directory (the default --config resolves beside the package):
   --steps=-5 and --steps=0 are refused in one line with status 2 and nothing written; a
   finished run rerun says so in one line and exits 0; a lower --steps, another learning rate,
-  a mistyped --config.* key (train and train_prior) and missing data are refused in one line,
-  status 2, leaving no folder and the runs as they were."""
+  a mistyped --config.* key (train and train_prior), a missing config file (with an override
+  or not) and missing data are refused in one line, status 2, leaving no folder and the runs
+  as they were."""
   elsewhere = tmp_path / 'elsewhere'
   elsewhere.mkdir()
   lower = Path(shutil.copytree(finished, tmp_path / 'lower'))
@@ -275,6 +281,12 @@ def test_mains_run_from_any_directory_and_answer_reruns_in_one_line(cmu_shards, 
       'prior_typo': (['experiments.train_prior', data, f'--workdir={tmp_path / "d"}',
                       '--config.model.latentt=4'], 2, 'error: --config.model.latentt: the config '
                      'has no field model.latentt (did you mean --config.model.latent?)'),
+      'no_config': (['experiments.train', data, f'--workdir={tmp_path / "f"}',
+                     f'--config={tmp_path / "none.py"}'], 2,
+                    f'error: --config={tmp_path / "none.py"}: no such config file'),
+      'no_config_override': (['experiments.train_prior', data, f'--workdir={tmp_path / "g"}',
+                              '--config=none.py', '--config.train.lr=1'], 2,
+                             'error: --config=none.py: no such config file'),
       'no_data': (['experiments.train', f'--data={tmp_path / "none"}',
                    f'--workdir={tmp_path / "e" / "run"}'], 2,
                   f'error: shard directory {tmp_path / "none"} does not exist'),
