@@ -18,11 +18,17 @@ os.environ.setdefault('XDG_CACHE_HOME', str(REPO / '.jax_cache' / 'xdg'))
 # within a tolerance, as tests/end_sites_test.py's ULP_TOL). A test that runs one program for
 # long asks for XLA's default back (train_test's overfit test: `jax.jit(...,
 # compiler_options={'xla_backend_optimization_level': 3})`).
-if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             ' --xla_backend_optimization_level=0').strip()
+# And XLA:CPU's elemental emitters for fusions instead of its newer fusion emitters
+# (`--xla_cpu_use_fusion_emitters=false`, XLA's own switch between its two code paths), unless
+# XLA_FLAGS names it: at level 0 they compile the solver's forward 2.2-2.4x faster (64 frames:
+# 1.05 -> 0.44 s; with a 5-iteration refinement 3.2 -> 1.5 s), the same functions to float32
+# rounding (BENCHMARKS.md "Suite time", session 42).
+TEST_XLA_FLAGS = {'xla_backend_optimization_level': '0', 'xla_cpu_use_fusion_emitters': 'false'}
+for _name, _value in TEST_XLA_FLAGS.items():
+  if _name not in os.environ.get('XLA_FLAGS', ''):
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + f' --{_name}={_value}').strip()
 LEVEL_FLAGS = [f for f in os.environ['XLA_FLAGS'].split()
-               if f.startswith('--xla_backend_optimization_level')]
+               if f.lstrip('-').split('=')[0] in TEST_XLA_FLAGS]
 
 import ik_gat_jax  # noqa: E402,F401  (XLA workaround before any computation)
 import jax  # noqa: E402
@@ -36,7 +42,8 @@ IN_CI = os.environ.get('CI', '').lower() in ('1', 'true', 'yes')
 
 @pytest.fixture(scope='session')
 def xla_level_flags() -> list[str]:
-  """The suite's optimisation-level flag, for subprocess tests that set their own XLA_FLAGS."""
+  """The suite's compile-time flags (`TEST_XLA_FLAGS`), for subprocess tests that set their own
+  XLA_FLAGS."""
   return list(LEVEL_FLAGS)
 
 
