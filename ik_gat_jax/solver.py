@@ -49,8 +49,10 @@ refinement (which runs on a chunk's every frame) or with `block_size` at most on
 of `block_size`, or one per worker for a clip shorter than workers x block_size, the last in its
 own bucket when that is compiled already, else padded to a whole chunk, so a long clip never
 compiles a second shape (0.3 s from the persistent cache, seconds without).
-Each shape is compiled ahead (`lower().compile()`) once per solver, the model's state an
-argument (one copy of the weights for every shape); `step` on the solver's own subject
+Each shape is compiled ahead (`lower().compile()`) once per process, the model's state an
+argument (one copy of the weights for every shape): solvers of the same model structure,
+configuration and shapes share their executables (`_ExecutableCache`; a second solver of the
+shipped model solves its first frame in 0.01 s, not 2; `clear_executables()` forgets them); `step` on the solver's own subject
 (`offsets`, which is read-only: assign new offsets to change it) has an executable of its own
 with the model's state and the subject compiled in as constants, so its call passes the frame
 alone (the base model's 23 weight arrays and the subject as arguments were 0.05 ms of a live
@@ -109,6 +111,7 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -756,6 +759,56 @@ def _constants_digest(tree) -> str:
   return h.hexdigest()
 
 
+class _ExecutableCache:
+  """The solver's compiled executables shared by every `IKSolver` of the process, by
+  `IKSolver._compiled_for`'s key (what the program computes, on which argument shapes, in this
+  environment: the executable cache's, compile_cache.py): a second solver of the same model,
+  configuration and argument shapes (another person in a scene, a clip after a live stream)
+  runs without tracing, lowering or compiling (with XLA's defaults, 1.7-2 s for a first `step`
+  and as much for a first 100-frame clip of the shipped model on a 2-core CPU). The least
+  recently used go first beyond `max_entries`, or beyond `max_bytes` of model state compiled
+  in (`step`'s executables hold their weights). Thread-safe."""
+
+  def __init__(self, max_entries: int = 256, max_bytes: int = 512 << 20):
+    self.max_entries, self.max_bytes = max_entries, max_bytes
+    self._entries: dict[str, tuple[Any, int]] = {}  # key -> (executable, bytes held); LRU order
+    self._lock = threading.Lock()
+
+  def get(self, key: str):
+    with self._lock:
+      entry = self._entries.pop(key, None)
+      if entry is None:
+        return None
+      self._entries[key] = entry  # most recently used: last
+      return entry[0]
+
+  def put(self, key: str, exe, held: int = 0) -> None:
+    with self._lock:
+      self._entries.pop(key, None)
+      self._entries[key] = (exe, int(held))
+      while len(self._entries) > 1 and (
+          len(self._entries) > self.max_entries
+          or sum(h for _, h in self._entries.values()) > self.max_bytes):
+        del self._entries[next(iter(self._entries))]
+
+  def clear(self) -> None:
+    with self._lock:
+      self._entries.clear()
+
+  def __len__(self) -> int:
+    return len(self._entries)
+
+
+_PROCESS_EXECUTABLES = _ExecutableCache()
+
+
+def clear_executables() -> None:
+  """Forgets the executables the process's solvers share (`_ExecutableCache`): a solver made
+  after this compiles (or loads from the executable cache) its own; solvers made before keep
+  theirs."""
+  _PROCESS_EXECUTABLES.clear()
+
+
 def _make_forward(graphdef, treedef, rig: Rig, counter: list[int], refine=None, prior=None,
                   mirror: bool = False, size: bool = False):
   """jit((state leaves, positions [b, J, 3], offsets [J, 3], B [J, 3, 3]), full static) -> dict.
@@ -1357,25 +1410,31 @@ class IKSolver:
     exe = self._executables.get(signature)
     if exe is not None:
       return exe
-    key = None
-    if compile_cache.executables_dir() is not None:
-      if self._description is None:
-        self._description = (f'ik_gat_jax.solver forward\n{self._graphdef!r}\n{self._treedef}\n'
-                             f'{[(x.shape, x.dtype.name) for x in self._leaves]}\n'
-                             f'refine={self.refine!r}\nprior={self._prior!r}\n'
-                             f'mirror={self.mirror}\n'
-                             f'size_normalization={self.size_normalization}\n'
-                             f'reference_pose={self.rig.reference_pose!r}\n'
-                             f'matmul_precision={self.matmul_precision}\n'
-                             f'micro_batch={inference.micro_batch_size()}'
-                             f' of {inference.MICRO_BATCH_CPU}')
-      avals = [(np.shape(a), str(a.dtype)) for a in jax.tree.leaves(args)]
-      key = compile_cache.executable_key(
-          f'{self._description}\n{signature}\n{jax.tree.structure(args)}\n{avals}\n'
-          f'{sorted((options or {}).items())}')
-      exe = compile_cache.load_executable(key)
+    if self._description is None:
+      self._description = (f'ik_gat_jax.solver forward\n{self._graphdef!r}\n{self._treedef}\n'
+                           f'{[(x.shape, x.dtype.name) for x in self._leaves]}\n'
+                           f'refine={self.refine!r}\nprior={self._prior!r}\n'
+                           f'mirror={self.mirror}\n'
+                           f'size_normalization={self.size_normalization}\n'
+                           f'rig={self.rig.fingerprint()}\n'
+                           f'reference_pose={self.rig.reference_pose!r}\n'
+                           f'matmul_precision={self.matmul_precision}\n'
+                           f'micro_batch={inference.micro_batch_size()}'
+                           f' of {inference.MICRO_BATCH_CPU}')
+    avals = [(np.shape(a), str(a.dtype)) for a in jax.tree.leaves(args)]
+    key = compile_cache.executable_key(
+        f'{self._description}\n{signature}\n{jax.tree.structure(args)}\n{avals}\n'
+        f'{sorted((options or {}).items())}')
+    exe = _PROCESS_EXECUTABLES.get(key)
     if exe is None:
-      exe = compile_cache.compile_for_entry(key, lower, args, options)
+      on_disk = compile_cache.executables_dir() is not None
+      exe = compile_cache.load_executable(key) if on_disk else None
+      if exe is None:
+        exe = compile_cache.compile_for_entry(key if on_disk else None, lower, args, options)
+      # What it compiles in: `step`'s executables hold the model's state (`_compiled_in`).
+      held = (sum(x.nbytes for x in self._leaves) if str(signature[0]).startswith('step')
+              else 0)
+      _PROCESS_EXECUTABLES.put(key, exe, held)
     self._executables[signature] = exe
     return exe
 
@@ -1735,9 +1794,10 @@ class IKSolver:
 
   @property
   def trace_count(self) -> int:
-    """How many times the forward was traced (compiled): once per bucket and `full`, once for
-    `step`'s frame of the solver's own subject and once per sparse-input signature of `step`'s
-    frame of any subject (`_step_any`)."""
+    """How many times this solver traced (compiled) its forward: once per bucket and `full`,
+    once for `step`'s frame of the solver's own subject and once per sparse-input signature of
+    `step`'s frame of any subject (`_step_any`); none for those another solver of the process
+    compiled already (`_ExecutableCache`) or the executable cache held."""
     return self._traces[0]
 
   def latency_stats(self, n: int = 200, warmup: int = 5, frame=None) -> dict[str, float]:

@@ -305,11 +305,13 @@ def test_executable_cache_skips_tracing_and_gives_the_same_bits(tmp_path, monkey
   rig = skeleton.cmu_body()
   rest = skeleton.rest_positions_np(rig.template(), rig.parents)
   clip = rest[None] + 0.01 * np.random.default_rng(1).normal(size=(5, rig.num_joints, 3))
+  solver_lib.clear_executables()  # each new solver below: only this cache (a new process's)
   first = solver_lib.IKSolver.from_checkpoint()
   want = first.solve(clip, full=True)
   assert first.trace_count == 1
   entries = sorted(folder.iterdir())
   assert [p.suffix for p in entries] == ['.jaxexe'], entries  # one whole entry, no temp file
+  solver_lib.clear_executables()
   second = solver_lib.IKSolver.from_checkpoint()
   got = second.solve(clip, full=True)
   assert second.trace_count == 0  # loaded: neither traced nor lowered
@@ -320,6 +322,7 @@ def test_executable_cache_skips_tracing_and_gives_the_same_bits(tmp_path, monkey
   # A broken entry is a miss: compiled again (same bits) and written whole again.
   for p in folder.iterdir():
     p.write_bytes(p.read_bytes()[:100])
+  solver_lib.clear_executables()
   third = solver_lib.IKSolver.from_checkpoint()
   np.testing.assert_array_equal(third.solve(clip, full=True).local_rot, want.local_rot)
   assert third.trace_count == 1
@@ -343,6 +346,7 @@ def test_executable_cache_skips_tracing_and_gives_the_same_bits(tmp_path, monkey
   got16 = b16.solve(clip, full=True).local_rot
   assert b16.trace_count == 1 and len(list(folder.iterdir())) == count + 1
   assert 0 < np.abs(got16 - want.local_rot).max() < 5e-2
+  solver_lib.clear_executables()
   again = solver_lib.IKSolver.from_checkpoint(matmul_precision='bfloat16')
   np.testing.assert_array_equal(again.solve(clip, full=True).local_rot, got16)
   assert again.trace_count == 0
@@ -352,6 +356,62 @@ def test_executable_cache_skips_tracing_and_gives_the_same_bits(tmp_path, monkey
   assert compile_cache.executable_key('f <function h at 0x7f00aa>') != key
   monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', '') + ' --xla_dump_to=/dev/null')
   assert compile_cache.executable_key('f <function g at 0x7f00aa>') != key
+
+
+def test_solvers_of_a_process_share_their_executables(monkeypatch):
+  """A second solver of the same model and options runs without tracing (the first's
+  executables, the same bits), as does one of another block size (the same programs); another
+  option or subject does not share; other
+  weights of the same architecture share the clip's executables (the weights an argument: its
+  own answer) but not `step`'s (compiled in). Without the executable cache (library use)."""
+  monkeypatch.setattr(compile_cache, '_executables_dir', None)
+  rig = skeleton.cmu_body()
+  rest = skeleton.rest_positions_np(rig.template(), rig.parents)
+  clip = rest[None] + 0.01 * np.random.default_rng(2).normal(size=(3, rig.num_joints, 3))
+  solver_lib.clear_executables()
+  first = solver_lib.IKSolver.from_checkpoint(block_size=4)
+  want, want_step = first.solve(clip, full=True), first.step(clip[0])
+  assert first.trace_count == 2  # bucket 4 (full) and `step`
+  second = solver_lib.IKSolver.from_checkpoint(block_size=4)
+  got = second.solve(clip, full=True)
+  np.testing.assert_array_equal(second.step(clip[0]), want_step)
+  assert second.trace_count == 0
+  for name in ('local_rot', 'global_rot', 'positions_fk'):
+    np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+  for kw in ({'size_normalization': False}, {'mirror': True},
+             {'offsets': rig.template() * 1.02}):
+    other = solver_lib.IKSolver.from_checkpoint(**{'block_size': 4, **kw})
+    other.step(clip[0] * (1.02 if 'offsets' in kw else 1.0))
+    assert other.trace_count == 1, kw  # its own `step` (another program or subject)
+  # Another block size whose ladder holds this clip's bucket and `step`: the same programs.
+  longer = solver_lib.IKSolver.from_checkpoint(block_size=8)
+  np.testing.assert_array_equal(longer.solve(clip, full=True).local_rot, want.local_rot)
+  np.testing.assert_array_equal(longer.step(clip[0]), want_step)
+  assert longer.trace_count == 0
+  model, meta = inference.load_model(inference.SHIPPED_IKGAT)
+  nnx.update(model, jax.tree.map(lambda x: x * 1.01, nnx.state(model, nnx.Param)))
+  tuned = solver_lib.IKSolver(model, meta, block_size=4)
+  assert np.abs(tuned.solve(clip, full=True).local_rot - want.local_rot).max() > 1e-4
+  assert tuned.trace_count == 0
+  assert np.abs(tuned.step(clip[0]) - want_step).max() > 1e-4 and tuned.trace_count == 1
+  solver_lib.clear_executables()
+  fresh = solver_lib.IKSolver.from_checkpoint(block_size=4)
+  np.testing.assert_array_equal(fresh.solve(clip, full=True).local_rot, want.local_rot)
+  assert fresh.trace_count == 1
+
+
+def test_the_shared_executables_keep_the_most_recently_used():
+  cache = solver_lib._ExecutableCache(max_entries=2, max_bytes=100)
+  for k in 'abc':
+    cache.put(k, k.upper())
+  assert (len(cache), cache.get('a'), cache.get('b'), cache.get('c')) == (2, None, 'B', 'C')
+  cache.get('b')  # used last: 'c' goes first
+  cache.put('d', 'D', held=60)
+  assert (cache.get('c'), cache.get('b'), cache.get('d')) == (None, 'B', 'D')
+  cache.put('e', 'E', held=60)  # 120 bytes compiled in, over 100: the older ones go
+  assert (len(cache), cache.get('d'), cache.get('e')) == (1, None, 'E')
+  cache.put('f', 'F', held=500)  # one entry over the bound alone is still kept (the newest)
+  assert (len(cache), cache.get('f')) == (1, 'F')
 
 
 def test_executable_cache_is_off_without_enable_and_with_the_switch(monkeypatch):

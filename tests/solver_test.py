@@ -456,8 +456,10 @@ def test_step_of_the_solvers_subject_is_any_subjects_step(solver):
 
 def test_long_clip_in_chunks_with_progress(tmp_path_factory, solver, monkeypatch):
   # Traces are counted: no executable cache, which a command-line test run before in this
-  # process may have turned on (its entries would load without a trace).
+  # process may have turned on (its entries would load without a trace), and none of the
+  # executables an earlier solver of this process shares (`solver.clear_executables`).
   monkeypatch.setattr(compile_cache, '_executables_dir', None)
+  solver_lib.clear_executables()
   small = IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory), block_size=8)
   pos = posed_clip(small.rig, small.offsets, T=21, scale=0.2)
   stream = io.StringIO()
@@ -531,6 +533,7 @@ def test_workers_solve_the_same_frames_in_order(tmp_path_factory):
     np.testing.assert_allclose(getattr(b, k), getattr(a, k), atol=2e-5)
   three = IKSolver.from_checkpoint(ckpt, workers=2, block_size=mb)  # 5 chunks for 2 threads
   np.testing.assert_allclose(three.solve(pos, progress=False), a.local_rot, atol=2e-5)
+  solver_lib.clear_executables()  # `two` compiles its new shape itself (counted below)
   before = two.trace_count
   for n in (mb + 1, 2 * mb, 3 * mb + 7, T):  # every length in the block_size bucket
     np.testing.assert_allclose(two.solve(pos[:n], progress=False), a.local_rot[:n], atol=2e-5)
