@@ -20,9 +20,9 @@ os.environ.setdefault('XDG_CACHE_HOME', str(REPO / '.jax_cache' / 'xdg'))
 # compiler_options={'xla_backend_optimization_level': 3})`).
 # And XLA:CPU's elemental emitters for fusions instead of its newer fusion emitters
 # (`--xla_cpu_use_fusion_emitters=false`, XLA's own switch between its two code paths), unless
-# XLA_FLAGS names it: at level 0 they compile the solver's forward 2.2-2.4x faster (64 frames:
-# 1.05 -> 0.44 s; with a 5-iteration refinement 3.2 -> 1.5 s), the same functions to float32
-# rounding (BENCHMARKS.md "Suite time", session 42).
+# XLA_FLAGS names it: at level 0 they compile the same functions (to float32 rounding) faster,
+# the suite's backend compilation 651 -> 359 s of test time (BENCHMARKS.md "Suite time",
+# session 42; tests/shipped_test.py compares the command line under XLA's defaults).
 TEST_XLA_FLAGS = {'xla_backend_optimization_level': '0', 'xla_cpu_use_fusion_emitters': 'false'}
 for _name, _value in TEST_XLA_FLAGS.items():
   if _name not in os.environ.get('XLA_FLAGS', ''):
