@@ -52,11 +52,11 @@ compiles a second shape (0.3 s from the persistent cache, seconds without).
 Each shape is compiled ahead (`lower().compile()`) once per process, the model's state an
 argument (one copy of the weights for every shape): solvers of the same model structure,
 configuration and shapes share their executables (`_ExecutableCache`; a second solver of the
-shipped model solves its first frame in 0.01 s, not 2; `clear_executables()` forgets them); `step` on the solver's own subject
-(`offsets`, which is read-only: assign new offsets to change it) has an executable of its own
-with the model's state and the subject compiled in as constants, so its call passes the frame
-alone (the base model's 23 weight arrays and the subject as arguments were 0.05 ms of a live
-frame). After the command line's `compile_cache.enable()`, a shape compiled by an earlier run
+shipped model solves its first frame in 0.01 s, not 2; `clear_executables()` forgets them);
+`step` on the solver's own subject (`offsets`, which is read-only: assign new offsets to
+change it) has an executable of its own with the model's state and the subject compiled in as
+constants, so its call passes the frame alone (the base model's 23 weight arrays and the
+subject as arguments were 0.05 ms of a live frame). After the command line's `compile_cache.enable()`, a shape compiled by an earlier run
 is loaded whole from the executable cache (compile_cache.py; `step`'s entry is keyed by what it
 compiles in), neither traced nor lowered. With bfloat16 products (`matmul_precision`,
 `model.set_matmul_precision`) every executable compiles with their XLA options
