@@ -987,7 +987,7 @@ class IKSolver:
     self.offsets = offsets if offsets is not None else self._template_offsets()
     graphdef, state = nnx.split(model)
     # The network's large products (`model.set_matmul_precision`, static: in the graphdef)
-    # and the XLA options every executable compiles with (`_compile`).
+    # and the XLA options every executable compiles with (`_compiled_for`).
     self.matmul_precision = model_lib.matmul_precision(model)
     self._options = inference.precision_options(self.matmul_precision)
     self._one_frame = inference.one_frame_options(self._options)  # `step`'s executables
@@ -1438,11 +1438,6 @@ class IKSolver:
     self._executables[signature] = exe
     return exe
 
-  def _compile(self, lowered, one_frame: bool = False):
-    """`lowered.compile()` with the solver's XLA options (`inference.compiler_options`; for
-    one frame, `step`'s, `inference.one_frame_options`)."""
-    return lowered.compile(compiler_options=self._one_frame if one_frame else self._options)
-
   def solve(self, positions, *, offsets=None, estimate_lengths: bool = False,
             units: str | float | None = None, input_axes: str | np.ndarray | None = None,
             full: bool = False, check: bool = True, progress: bool | None = None,
@@ -1715,9 +1710,17 @@ class IKSolver:
                                             for k, v in sorted(sparse.items()))
     exe = self._stream_execs.get(key)
     if exe is None:  # the model's state compiled in, as in `_step_any`
-      leaves, stream_step = self._compiled_in()[0], self._stream_step
-      exe = self._stream_execs[key] = self._compile(jax.jit(
-          lambda fs, p, o, b, sp: stream_step(leaves, fs, p, o, b, sp)).lower(*args), True)
+      if self._leaves_digest is None:
+        self._leaves_digest = _constants_digest(self._compiled_in()[0])
+      stream_step = self._stream_step
+
+      def lower():  # on a miss only (`_compiled_for`: shared by the process's solvers)
+        leaves = self._compiled_in()[0]
+        return jax.jit(lambda fs, p, o, b, sp: stream_step(leaves, fs, p, o, b, sp)).lower(*args)
+
+      exe = self._stream_execs[key] = self._compiled_for(
+          ('step filtered any subject', self._leaves_digest, repr(self.temporal_filter),
+           self._fps, key), args, lower, self._one_frame)
     self._filter_state, out = exe(*args)
     return np.asarray(out)
 
@@ -1729,8 +1732,11 @@ class IKSolver:
     fstate = self._filter_state or temporal.init_state(self.rig.num_joints)
     if exe is None:
       (leaves, off, B), stream_step = self._compiled_in(), self._stream_step
-      exe = self._compile(jax.jit(lambda fs, p: stream_step(leaves, fs, p, off, B)).lower(
-          fstate, x), True)
+      exe = self._compiled_for(
+          ('step filtered', _constants_digest((leaves, off, B)), repr(self.temporal_filter),
+           self._fps), (fstate, x),
+          lambda: jax.jit(lambda fs, p: stream_step(leaves, fs, p, off, B)).lower(fstate, x),
+          self._one_frame)
       self._stream_execs['own subject'] = exe
     self._filter_state, out = exe(fstate, x)
     return np.asarray(out)

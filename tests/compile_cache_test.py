@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ik_gat_jax import checkpointing, compile_cache, inference, skeleton
+from ik_gat_jax import checkpointing, compile_cache, inference, skeleton, temporal
 from ik_gat_jax import solver as solver_lib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -394,6 +394,18 @@ def test_solvers_of_a_process_share_their_executables(monkeypatch):
   assert np.abs(tuned.solve(clip, full=True).local_rot - want.local_rot).max() > 1e-4
   assert tuned.trace_count == 0
   assert np.abs(tuned.step(clip[0]) - want_step).max() > 1e-4 and tuned.trace_count == 1
+  # A temporal filter: `step`'s program (network and filter) is shared too, per filter and
+  # subject, also for a frame of another subject (`offsets=`, the subject an argument).
+  one_euro, other = temporal.FilterConfig(kind='one_euro'), rig.template() * 1.02
+  filtered = []
+  for config in (one_euro, one_euro, temporal.FilterConfig(kind='one_euro', beta=0.5)):
+    f = solver_lib.IKSolver.from_checkpoint(block_size=4, temporal_filter=config)
+    filtered.append((np.stack([f.step(x) for x in clip]), f.step(clip[0] * 1.02, offsets=other),
+                     f.trace_count))
+  assert [t for *_, t in filtered] == [2, 0, 2]
+  np.testing.assert_array_equal(filtered[1][0], filtered[0][0])
+  np.testing.assert_array_equal(filtered[1][1], filtered[0][1])
+  assert np.abs(filtered[2][0] - filtered[0][0]).max() > 0  # another filter: its own answer
   solver_lib.clear_executables()
   fresh = solver_lib.IKSolver.from_checkpoint(block_size=4)
   np.testing.assert_array_equal(fresh.solve(clip, full=True).local_rot, want.local_rot)
