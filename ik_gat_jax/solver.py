@@ -56,9 +56,10 @@ shipped model solves its first frame in 0.01 s, not 2; `clear_executables()` for
 `step` on the solver's own subject (`offsets`, which is read-only: assign new offsets to
 change it) has an executable of its own with the model's state and the subject compiled in as
 constants, so its call passes the frame alone (the base model's 23 weight arrays and the
-subject as arguments were 0.05 ms of a live frame). After the command line's `compile_cache.enable()`, a shape compiled by an earlier run
-is loaded whole from the executable cache (compile_cache.py; `step`'s entry is keyed by what it
-compiles in), neither traced nor lowered. With bfloat16 products (`matmul_precision`,
+subject as arguments were 0.05 ms of a live frame). After the command line's
+`compile_cache.enable()`, a shape compiled by an earlier run is loaded whole from the
+executable cache (compile_cache.py; `step`'s entry is keyed by what it compiles in), neither
+traced nor lowered. With bfloat16 products (`matmul_precision`,
 `model.set_matmul_precision`) every executable compiles with their XLA options
 (`inference.compiler_options`: XLA's YNNPACK dots on the CPU).
 
