@@ -765,8 +765,9 @@ class _ExecutableCache:
   `IKSolver._compiled_for`'s key (what the program computes, on which argument shapes, in this
   environment: the executable cache's, compile_cache.py): a second solver of the same model,
   configuration and argument shapes (another person in a scene, a clip after a live stream)
-  runs without tracing, lowering or compiling (with XLA's defaults, 1.7-2 s for a first `step`
-  and as much for a first 100-frame clip of the shipped model on a 2-core CPU). The least
+  runs without tracing, lowering or compiling (with XLA's defaults, about 2 s for a first
+  `step` and as much for a first 100-frame clip of the shipped model on a 2-core CPU;
+  BENCHMARKS.md "A second solver in one process"). The least
   recently used go first beyond `max_entries`, or beyond `max_bytes` of model state compiled
   in (`step`'s executables hold their weights). Thread-safe."""
 
