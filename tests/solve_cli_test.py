@@ -307,7 +307,8 @@ def _nearest_rotations(R: np.ndarray) -> np.ndarray:
 @pytest.mark.filterwarnings('ignore:up axis looks wrong')  # an untrained model's poses
 def test_bvh_output_keeps_the_input_names_orders_and_units(ckpt, cmu_dir, tmp_path):
   """A CMU clip re-written with six rotation orders and inches solves to a BVH in the input's
-  names, per-joint orders and inches, whose FK is the solution's (bounds derived above)."""
+  names, per-joint orders, inches and End Sites, whose FK is the solution's (bounds derived
+  above)."""
   inch = UNITS['inch']
   src = _reordered_cmu(cmu_dir / '07_12.bvh', tmp_path / 'in.bvh', 41, inch)
   # In centimetres, read without --units (as CMU's units, its joint names'): the hint names
@@ -340,6 +341,23 @@ def test_bvh_output_keeps_the_input_names_orders_and_units(ckpt, cmu_dir, tmp_pa
   # Both files' OFFSETs carry 9 significant digits (a float32's; exports.solution_bvh): each
   # within 5e-9 of the same metres, relative.
   np.testing.assert_allclose(cm.offsets * 0.01, out.offsets * inch, rtol=1e-8, atol=1e-15)
+  # The leaves' End Sites are the input's (in its units): its own for the head and toes; for
+  # a hand, its farthest in the fingers the rig leaves out (CMU's index fingertip), in the
+  # hand's frame, where the moving fingers hold it at the median over the frames solved.
+  pos, rot = bvh.naive_fk_np(dataclasses.replace(src, motion=src.motion[1:]), 1.0,
+                             with_rotations=True)
+  for leaf in ('Head', 'LeftToeBase', 'RightToeBase', 'LeftHand', 'RightHand'):
+    got = out.joints[out.names.index(leaf)].end_site
+    if 'Hand' in leaf:
+      h, tip = index[leaf], index[leaf.replace('Hand', 'HandIndex1')]
+      world = pos[:, tip] + rot[:, tip] @ src.joints[tip].end_site
+      want = np.median(np.einsum('tba,tb->ta', rot[:, h], world - pos[:, h]), axis=0)
+    else:
+      want = src.joints[index[leaf]].end_site
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.linalg.norm(want),
+                               err_msg=leaf)
+  assert cm.joints[cm.names.index('Head')].end_site == pytest.approx(
+      src.joints[index['Head']].end_site * inch / 0.01, rel=1e-6)
   # Read back: the exact FK of the rotations nearest the float32 solution's (what the writer
   # converts) within the 6-decimal text bound, and the solution's own float32 FK within that
   # plus the float32 bound.

@@ -232,6 +232,37 @@ def test_bvh_of_smpl22_reorders_depth_first(tmp_path):
   np.testing.assert_allclose(bvh.naive_fk_np(back, 0.01)[:, order], p, atol=1e-4)
 
 
+def test_bvh_end_sites_round_trip(tmp_path):
+  """A rig-named BVH's End Sites, read (`end_site_offsets`, metres, each leaf's frame) and
+  given to the writer, come back as they were, in other units too; a NaN row gets the
+  writer's own (along the leaf's rest direction); a wrong shape is refused in one line."""
+  rig = skeleton.cmu_body()
+  T, E = 4, len(rig.leaves)
+  R = random_rotations((T, rig.num_joints), 0.4, 5)
+  root = np.tile(rig.template()[0], (T, 1))
+  ends = np.random.default_rng(6).normal(0.0, 0.08, (E, 3))
+  bvh.write_bvh(tmp_path / 'in.bvh', exports.solution_bvh(R, root, rig.template(), rig, 30.0,
+                                                          end_sites=ends))
+  clip = exports.read_bvh_clip(tmp_path / 'in.bvh', rig)
+  np.testing.assert_allclose(clip.end_site_offsets, ends, rtol=1e-6, atol=1e-9)
+  own = exports.solution_bvh(R, root, rig.template(), rig, 30.0, units='inch')
+  for units in ('cm', 'inch'):
+    motion = exports.solution_bvh(R, root, rig.template(), rig, 30.0, units=units,
+                                  end_sites=clip.end_site_offsets)
+    k = exports.bvh_metres_per_unit(units)
+    for e, leaf in enumerate(rig.leaves):
+      got = motion.joints[motion.names.index(rig.joint_names[leaf])].end_site * k
+      np.testing.assert_allclose(got, ends[e], rtol=1e-6, atol=1e-9)
+  half = clip.end_site_offsets.copy()
+  half[0] = np.nan
+  motion = exports.solution_bvh(R, root, rig.template(), rig, 30.0, units='inch', end_sites=half)
+  first = rig.joint_names[rig.leaves[0]]
+  np.testing.assert_array_equal(motion.joints[motion.names.index(first)].end_site,
+                                own.joints[own.names.index(first)].end_site)
+  with pytest.raises(InputError, match=r'end sites must be \[5, 3\] \(one per leaf'):
+    exports.solution_bvh(R, root, rig.template(), rig, 30.0, end_sites=ends[:3])
+
+
 def test_csv_with_and_without_header(solver, tmp_path):
   rig = solver.rig
   pos = posed_clip(rig, solver.offsets, T=3)

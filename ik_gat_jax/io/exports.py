@@ -29,10 +29,11 @@ refused unless `overwrite`):
   (`continuous_euler`), root channels `Xposition Yposition Zposition` then three rotation
   channels, others three rotation channels, per joint in `orders[j]` (intrinsic, channel order:
   'ZYX' is `Zrotation Yrotation Xrotation`, R = Rz Ry Rx, degrees; default ZYX for every joint),
-  End Sites at leaves along the leaf's rest direction (half the leaf's bone, at least 2 cm).
-  Lengths in `units` metres per file unit (a number or a `units.UNITS` name: 'cm', the default,
-  'm', 'inch', ...). `solve` passes a BVH input's own orders and units
-  (`PositionsFile.bvh_orders`, `bvh_units_m`). Blender: File > Import > BVH with Scale = metres
+  End Sites at leaves: those given (`end_sites`), else along the leaf's rest direction (half
+  the leaf's bone, at least 2 cm). Lengths in `units` metres per file unit (a number or a
+  `units.UNITS` name: 'cm', the default, 'm', 'inch', ...). `solve` passes a BVH input's own
+  orders and units (`PositionsFile.bvh_orders`, `bvh_units_m`), and its End Sites where the
+  output stands on its offsets (`PositionsFile.end_site_offsets`). Blender: File > Import > BVH with Scale = metres
   per unit (0.01 for centimetres), forward Z, up Y.
 - SMPL npz (rig `smpl22` only): the fields of `io.smpl.smpl_arrays` (that module's docstring):
   `poses [T, 66]` axis-angle of the 22 local rotations (root orientation first), `trans`, ...;
@@ -162,7 +163,8 @@ class PositionsFile:
   offsets: `[J, 3]` in the positions' units and axes, or None; fps or None; metres_rig: already
   metres (a BVH read at its units; its axes are still the file's: `--input_axes` applies);
   end_sites: `[T, E, 3]` the rig leaves' End Sites of a BVH that has them (metres, rig axes,
-  NaN = none; issue G2), else None. A BVH also gives bvh_orders: per rig joint the rotation
+  NaN = none; issue G2), else None; end_site_offsets: `[E, 3]` the same in each leaf's own frame
+  (`retarget.end_site_offsets`: what an output BVH on the file's offsets writes). A BVH also gives bvh_orders: per rig joint the rotation
   channel order of its source joint (`source_rotation_orders`), bvh_units_m: metres per
   file unit it was read in, and reference: `[J, 3, 3]` the world frames (rig world) of its
   joints in the rig's natural pose where its joint map names one (`reference_pose`: its zero
@@ -174,6 +176,7 @@ class PositionsFile:
   fps: float | None = None
   metres_rig: bool = False
   end_sites: np.ndarray | None = None
+  end_site_offsets: np.ndarray | None = None
   bvh_orders: tuple[str, ...] | None = None
   bvh_units_m: float | None = None
   reference: np.ndarray | None = None
@@ -405,6 +408,7 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
     F = None  # the rig's own natural pose
   return PositionsFile(p, out.offsets, fps or rate, metres_rig=True,
                        end_sites=retarget.end_sites_world(out, G, p, rig.parents),
+                       end_site_offsets=retarget.end_site_offsets(out),
                        bvh_orders=source_rotation_orders(motion, jmap, rig),
                        bvh_units_m=jmap.units, reference=F,
                        first_dropped=jmap.name if first else None)
@@ -525,10 +529,14 @@ def check_rotation_orders(orders: Sequence[str] | None, rig: Rig) -> tuple[str, 
 
 def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarray, rig: Rig,
                  fps: float, units: str | float = DEFAULT_BVH_UNITS,
-                 orders: Sequence[str] | None = None) -> bvh.BVHMotion:
+                 orders: Sequence[str] | None = None,
+                 end_sites: np.ndarray | None = None) -> bvh.BVHMotion:
   """The rig animated by `local_rot [T, J, 3, 3]`, root at `root_pos [T, 3]` (metres), on
   `offsets [J, 3]` (metres), in `units` (metres per file unit or a name: 'cm', 'm', 'inch',
   ...), joint j's rotation channels in `orders[j]` (rig order, e.g. 'XZY'; default ZYX).
+  `end_sites [E, 3]`: each rig leaf's End Site (`rig.leaves` order, metres, in the leaf's own
+  frame; an input BVH's `PositionsFile.end_site_offsets`); a NaN row, or None, gets the
+  writer's own: half the leaf's bone along its rest direction, at least 2 cm.
 
   The root's OFFSET is 0 0 0 and its position channels its world position: readers that add
   the root's OFFSET to them (three.js's BVHLoader) and those that do not (Blender, Assimp, this
@@ -538,7 +546,7 @@ def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarra
   orders = check_rotation_orders(orders, rig)
   order = depth_first_order(rig.parents)
   pos_in_file = {j: i for i, j in enumerate(order)}
-  ends = _end_sites(offsets, rig)
+  ends = _end_sites(offsets, rig, end_sites)
   joints = []
   for j in order:
     p = rig.parents[j]
@@ -563,24 +571,35 @@ def _float32_digits(values: np.ndarray) -> np.ndarray:
   return np.array([float(f'{v:.9g}') for v in np.ravel(values)]).reshape(np.shape(values))
 
 
-def _end_sites(offsets: np.ndarray, rig: Rig) -> list[np.ndarray | None]:
-  """Per joint: an End Site offset (metres) for leaves, along the leaf's rest direction."""
+def _end_sites(offsets: np.ndarray, rig: Rig,
+               given: np.ndarray | None = None) -> list[np.ndarray | None]:
+  """Per joint: an End Site offset (metres) for leaves: `given [E, 3]`'s row for the leaf where
+  finite, else along the leaf's rest direction."""
+  if given is not None:
+    given = np.asarray(given, np.float64)
+    if given.shape != (len(rig.leaves), 3):
+      raise InputError(f'end sites must be [{len(rig.leaves)}, 3] (one per leaf of rig '
+                       f'{rig.name!r}), got {list(given.shape)}')
   d = np.asarray(bone_frames_lib.rest_bone_directions(jnp.asarray(offsets, jnp.float32), rig))
+  row = {k: e for e, k in enumerate(rig.leaves)}
   out = []
   for j, kids in enumerate(rig.children):
     length = max(0.5 * float(np.linalg.norm(offsets[j])), _END_SITE_MIN_M)
-    out.append(None if kids else d[j].astype(np.float64) * length)
+    own = None if given is None or kids else given[row[j]]
+    out.append(None if kids else own if own is not None and np.isfinite(own).all()
+               else d[j].astype(np.float64) * length)
   return out
 
 
 def write_solution_bvh(path: str | os.PathLike, sol, rig: Rig, fps: float,
                        units: str | float = DEFAULT_BVH_UNITS, overwrite: bool = True,
-                       orders: Sequence[str] | None = None) -> None:
-  """`solution_bvh` of a `solver.Solution` (units, per-joint rotation orders), written
-  atomically."""
+                       orders: Sequence[str] | None = None,
+                       end_sites: np.ndarray | None = None) -> None:
+  """`solution_bvh` of a `solver.Solution` (units, per-joint rotation orders, the leaves' End
+  Sites), written atomically."""
   path = check_output(path, overwrite)
   motion = solution_bvh(sol.local_rot, sol.positions_fk[:, 0], sol.offsets, rig, fps, units,
-                        orders)
+                        orders, end_sites)
   bvh.write_bvh(path, motion)
 
 

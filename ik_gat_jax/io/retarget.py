@@ -675,6 +675,15 @@ def end_sites_world(reduced: ReducedMotion, G: np.ndarray, p: np.ndarray,
   return p[:, leaves] + np.einsum('tjab,tjb->tja', G[:, leaves], reduced.end_local)
 
 
+def end_site_offsets(reduced: ReducedMotion) -> np.ndarray | None:
+  """`[E, 3]` each rig leaf's end site in the leaf's own frame (the output BVH's `End Site`
+  OFFSET, metres, rig axes): `end_local`'s median over the frames (constant where the pruned
+  joints carrying it are rigid); NaN for a leaf without one; None for a motion without any."""
+  if reduced.end_local is None:
+    return None
+  return np.median(reduced.end_local, axis=0)
+
+
 def end_site_names(rig_names: Sequence[str], parents: Sequence[int]) -> list[str]:
   """Names of the end sites, one per rig leaf: '<leaf>_end' (end_sites.json)."""
   return [f'{rig_names[k]}_end' for k in skeleton.leaves_of(parents)]
