@@ -283,10 +283,17 @@ def check_finite(arr: np.ndarray, rig: Rig, what: str = 'positions') -> None:
   bad = ~np.isfinite(arr).all(axis=-1)
   if bad.any():
     t, j = (int(i[0]) for i in np.nonzero(bad))
+    never = [rig.joint_names[k] for k in np.nonzero(bad.all(axis=0))[0]]
+    hint = ('fill or drop those frames first, or hold them from earlier frames '
+            '(hold_missing=True, --hold_missing); a tracker subset needs a checkpoint trained '
+            'with joint masks (config.model.joint_mask=True, --trackers)')
+    if never and len(arr) > 1:  # the same joints missing in every frame: trackers, not dropouts
+      hint = (f'{", ".join(never[:4])}{" ..." if len(never) > 4 else ""} missing in every '
+              'frame: a tracker subset needs a checkpoint trained with joint masks '
+              '(config.model.joint_mask=True, --trackers); this one needs every joint')
     raise InputError(f'{what} contain NaN/inf: frame {t}, joint {j} ({rig.joint_names[j]}) is '
                      f'{arr[t, j].tolist()} ({int(bad.sum())} bad joint entries in '
-                     f'{int(bad.any(-1).sum())} frames); fill or drop those frames first, or hold '
-                     'them from earlier frames (hold_missing=True, --hold_missing)')
+                     f'{int(bad.any(-1).sum())} frames); {hint}')
 
 
 _ORIGIN_GRID_M = 64.0  # `near_origin` moves frames by multiples of this
@@ -338,35 +345,60 @@ def near_origin(pos: np.ndarray, sparse: dict | None = None
 
 
 def hold_missing_joints(pos: np.ndarray, held: tuple | None, rig: Rig
-                        ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+                        ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
   """Tracker dropouts filled causally: in `pos [T, J, 3]` a joint with a NaN/inf coordinate
   keeps its offset from the root at the last frame that had it, moved with the root (`p_j(t) =
-  root(t) + p_j(s) - root(s)`); a missing root stays where it was last. `held`: the state
-  after the frames before `pos` (a stream's: `(root [3], offsets from the root [J, 3])`), or
-  None at a stream's start. Returns the filled copy (observed joints bit for bit) and the state
-  after it. Each frame depends only on it and earlier ones, computed the same way whether the
-  frames come one by one or as a clip, so a stream and a clip are filled bit for bit alike.
-  Raises InputError when a joint is missing before it was ever seen."""
+  root(t) + p_j(s) - root(s)`). A missing root moves with its children (the pelvis's: hips and
+  lower spine, `rig.children[0]`): it keeps its offset from the mean of those seen both now and
+  at the root's last sighting, so a walker whose pelvis tracker drops out still walks; with
+  none of them seen, it stays where it was. `held`: the state after the frames before `pos` (a
+  stream's: `(root [3], offsets from the root [J, 3], the root and its children where last
+  seen with the root [3], [K, 3])`), or None at a stream's start. Returns the filled copy
+  (observed joints bit for bit) and the state after it. Each frame depends only on it and
+  earlier ones, computed the same way whether the frames come one by one or as a clip, so a
+  stream and a clip are filled bit for bit alike. Raises InputError when a joint is missing
+  before it was ever seen."""
   ok = np.isfinite(pos).all(axis=-1)  # [T, J]
   T, J = ok.shape
+  kids = list(rig.children[0])
   if ok.all():  # the common case: nothing to fill, only the state (the same numbers)
-    return pos, (pos[-1, 0].copy(), pos[-1] - pos[-1, 0])
+    return pos, (pos[-1, 0].copy(), pos[-1] - pos[-1, 0], pos[-1, 0].copy(), pos[-1, kids])
   seen = np.maximum.accumulate(np.where(ok, np.arange(T)[:, None], -1), axis=0)  # [T, J]
   if held is None and (seen < 0).any():
     t, j = (int(i[0]) for i in np.nonzero(seen < 0))
     raise InputError(f'joint {j} ({rig.joint_names[j]}) is missing (NaN/inf) in frame {t} and '
                      'was not seen before it: hold_missing fills a joint only from an earlier '
-                     'frame; start the stream on a frame with every joint')
+                     'frame; start the stream on a frame with every joint (joints no tracker '
+                     'gives need a checkpoint trained with joint masks: --trackers)')
   s = np.maximum(seen, 0)
-  root = pos[s[:, 0], 0]  # [T, 3] the root, held where missing
-  if held is not None:  # not seen in `pos` yet: the stream's state
-    root = np.where((seen[:, 0] < 0)[:, None], held[0], root)
+  before = seen[:, 0] < 0  # the root not seen in `pos` yet: the stream's state
+  root_seen = pos[s[:, 0], 0]  # [T, 3] the root and its children where it was last seen
+  kids_seen = pos[s[:, 0]][:, kids]  # [T, K, 3]
+  if held is not None:
+    root_seen = np.where(before[:, None], held[2], root_seen)
+    kids_seen = np.where(before[:, None, None], held[3], kids_seen)
+  if ok[:, 0].all():
+    root = pos[:, 0]
+  else:
+    with np.errstate(invalid='ignore'):  # NaN/inf joints: left out below
+      both = np.isfinite(pos[:, kids]).all(-1) & np.isfinite(kids_seen).all(-1)  # [T, K]
+      n = both.sum(-1)
+      moved = np.where(both[..., None], pos[:, kids] - kids_seen, 0.0).sum(1) / np.maximum(
+          n, 1)[:, None]
+    root = np.where(ok[:, :1], pos[:, 0], np.where((n > 0)[:, None], root_seen + moved,
+                                                   np.nan))
+    # No child seen with the root: the root where it was in the frame before.
+    have = np.isfinite(root).all(-1)
+    last = np.maximum.accumulate(np.where(have, np.arange(T), -1))
+    root = root[np.maximum(last, 0)]
+    if held is not None:
+      root = np.where((last < 0)[:, None], held[0], root)
   with np.errstate(invalid='ignore'):  # NaN where never seen here, replaced below
     rel = pos[s, np.arange(J)[None, :]] - root[s]  # [T, J, 3] offsets from the root
   if held is not None:
     rel = np.where((seen < 0)[..., None], held[1], rel)
   out = np.where(ok[..., None], pos, root[:, None, :] + rel)
-  return out, (root[-1].copy(), rel[-1].copy())
+  return out, (root[-1].copy(), rel[-1].copy(), root_seen[-1].copy(), kids_seen[-1].copy())
 
 
 def _real_bones(rig: Rig) -> np.ndarray:
@@ -965,6 +997,9 @@ class IKSolver:
     self._calibration_offsets_seen: set[bytes] = set()  # `_calibration_offsets`
     self._said: set[str] = set()  # kinds of input warning said for single frames (`prepare`)
     self._stream_checked = False  # `reset()` and `_check_stream`
+    # Held while `step` or a `solve_stream` item runs: one stream per solver, so a second
+    # thread stepping the same solver is refused, not interleaved with the first's state.
+    self._stream_busy = threading.Lock()
     self._step_pos = None  # the frame `_step` solved last (rig metres, dropouts held)
     # Tracker dropouts (NaN joints) held from earlier frames (`hold_missing_joints`); the
     # stream's state for `step` / `solve_stream` in `_held` (`reset`).
@@ -1031,8 +1066,12 @@ class IKSolver:
 
   @fps.setter
   def fps(self, value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-      raise InputError(f'fps must be a positive frame rate, got {value}')
+    try:
+      ok = not isinstance(value, (bool, str)) and math.isfinite(value) and value > 0
+    except TypeError:
+      ok = False
+    if not ok:
+      raise InputError(f'fps must be a positive frame rate, got {value!r}')
     self._fps = float(value)
     self._new_filter_stream()
     self.window_ratio = self._fps / self.window_fps
@@ -1169,7 +1208,11 @@ class IKSolver:
       # several workers' chunks take turns; the dense ones run on the workers' own threads
       # (1.7x the clip's frames/s on 2 cores; BENCHMARKS.md, issue N session 34).
       attention = 'dense'
-    gat.set_form(model, attention)  # static: before the forward is built
+    try:
+      gat.set_form(model, attention)  # static: before the forward is built
+    except ValueError:
+      raise InputError(f"attention must be 'dense', 'sparse' or 'auto', got {attention!r}"
+                       ) from None
     try:
       model_lib.set_matmul_precision(model, matmul_precision)
     except ValueError as e:
@@ -1236,16 +1279,17 @@ class IKSolver:
     """(offsets, B) on device, float32, and B float64 on the host; cached per subject, whose
     rest pose is checked (`check_rest_pose`) when it is new and `check`."""
     key = np.asarray(offsets, np.float64).tobytes()
-    if key not in self._frames_cache:
+    entry = self._frames_cache.get(key)  # held here: another thread may clear the cache
+    if entry is None:
       if check:
         check_offsets_size(offsets, self.rig)
         check_rest_pose(offsets, self.rig)
       B = bone_frames_lib.bone_frames_np(offsets, self.rig)
       if len(self._frames_cache) > 16:
         self._frames_cache.clear()
-      self._frames_cache[key] = (jnp.asarray(offsets, jnp.float32),
-                                 jnp.asarray(B, jnp.float32), B)
-    return self._frames_cache[key]
+      entry = self._frames_cache[key] = (jnp.asarray(offsets, jnp.float32),
+                                         jnp.asarray(B, jnp.float32), B)
+    return entry
 
   # -- inputs -------------------------------------------------------------------------------
 
@@ -1257,16 +1301,24 @@ class IKSolver:
     `hold_missing` they are filled from earlier frames of the clip (`hold_missing_joints`)."""
     arr, single = check_positions(positions, self.rig,
                                   allow_missing=self.supports_masks or self.hold_missing)
-    scale = parse_units(units)
-    M = parse_input_axes(input_axes, self.rig)
-    if scale != 1.0 or not np.array_equal(M, np.eye(3)):  # metres in rig axes: as they are
-      arr = (arr.reshape(-1, 3) @ (scale * M.T)).reshape(arr.shape)
+    arr, scale = self._to_rig(arr, units, input_axes)
     check_extent(arr)
     if self.hold_missing:
       arr, _ = hold_missing_joints(arr, None, self.rig)
     if check and all_finite(arr):  # single frames (a live loop calling solve): each kind once
       check_plausibility(arr, self.rig, scale, self._said if len(arr) == 1 else None)
     return arr, single
+
+  def _to_rig(self, arr: np.ndarray, units, input_axes) -> tuple[np.ndarray, float]:
+    """`arr [T, J, 3]` in `units` and `input_axes` -> (metres in rig axes, metres per input
+    unit); the same array when both are None (the input is in them already)."""
+    if units is None and input_axes is None:
+      return arr, 1.0
+    scale = parse_units(units)
+    M = parse_input_axes(input_axes, self.rig)
+    if scale != 1.0 or not np.array_equal(M, np.eye(3)):
+      arr = (arr.reshape(-1, 3) @ (scale * M.T)).reshape(arr.shape)
+    return arr, scale
 
   # -- solving ------------------------------------------------------------------------------
 
@@ -1616,13 +1668,14 @@ class IKSolver:
     if self._history is not None:
       self._history.reset()
 
-  def _check_stream(self, pos: np.ndarray) -> None:
+  def _check_stream(self, pos: np.ndarray, scale: float = 1.0) -> None:
     """A stream's first frame(s) `[n, J, 3]` with every joint: the units and axes checks of
-    `solve` (`check_plausibility`), once per stream (until `reset()`), so a live loop fed
-    millimetres or z-up data hears it at its start; the frames after it are not checked."""
+    `solve` (`check_plausibility`; `scale`: the metres per input unit the frames were given
+    in), once per stream (until `reset()`), so a live loop fed millimetres or z-up data hears
+    it at its start; the frames after it are not checked."""
     if all_finite(pos):
       self._stream_checked = True
-      check_plausibility(pos, self.rig)
+      check_plausibility(pos, self.rig, scale)
 
   def _stream_history(self, pos: np.ndarray) -> dict[str, np.ndarray] | None:
 
@@ -1633,23 +1686,38 @@ class IKSolver:
     return {'history': np.stack([self._history.push(f) for f in pos])}
 
   def step(self, frame, offsets=None, mask=None, orientations=None,
-           orientation_mask=None, end_sites=None) -> np.ndarray:
-    """One live frame `[J, 3]` (metres, rig axes) -> local rotations `[J, 3, 3]`.
+           orientation_mask=None, end_sites=None, *, units: str | float | None = None,
+           input_axes: str | np.ndarray | None = None) -> np.ndarray:
+    """One live frame `[J, 3]` (metres, rig axes; else `units` and `input_axes` as `solve`'s)
+    -> local rotations `[J, 3, 3]`.
 
-    The cheap checks (shape, finite; units and axes on a stream's first frame); compiled once
-    (bucket 1). With a temporal filter the output is filtered with the stream's state (kept
-    until `reset`). `mask`, `orientations`,
+    The cheap checks (shape, finite; units and axes on a stream's first frame); compiled once.
+    With a temporal filter the output is filtered with the stream's state (kept until
+    `reset`). `mask`, `orientations`,
     `orientation_mask`, `end_sites`: sparse inputs of this frame (`[J]`, `[J, 3, 3]`, `[E, 3]`;
-    module docstring). On a CPU with several cores, a process that serves live frames starts
+    module docstring; metres, rig axes). On a CPU with several cores, a process that serves
+    live frames starts
     JAX with `ik_gat_jax.start_live_backend()` first: a frame then runs on the calling thread,
     1.4-1.9x faster on two cores (`inference.start_live_backend`; BENCHMARKS.md, issue N
     sessions 33-34).
     """
-    local = self._step(frame, offsets, mask, orientations, orientation_mask, end_sites)
-    if not self.subject_calibration:
-      return local
-    off = self._calibration_offsets(self.offsets if offsets is None else offsets)  # checked
-    return self._calibrate_frame(local, self._step_pos[0], off)
+    if not self._stream_busy.acquire(blocking=False):
+      raise self._busy_error()
+    try:
+      local = self._step(frame, offsets, mask, orientations, orientation_mask, end_sites, units,
+                         input_axes)
+      if not self.subject_calibration:
+        return local
+      off = self._calibration_offsets(self.offsets if offsets is None else offsets)  # checked
+      return self._calibrate_frame(local, self._step_pos[0], off)
+    finally:
+      self._stream_busy.release()
+
+  @staticmethod
+  def _busy_error() -> InputError:
+    return InputError('another thread is in this solver\'s step / solve_stream: a solver '
+                      'carries one stream; give each thread its own solver (solve() on clips '
+                      'may be shared)')
 
   def _calibrate_frame(self, local: np.ndarray, position: np.ndarray,
                        offsets: np.ndarray) -> np.ndarray:
@@ -1672,7 +1740,7 @@ class IKSolver:
     return np.asarray(out)
 
   def _step(self, frame, offsets=None, mask=None, orientations=None,
-            orientation_mask=None, end_sites=None) -> np.ndarray:
+            orientation_mask=None, end_sites=None, units=None, input_axes=None) -> np.ndarray:
     """`step` without the subject calibration (the frame it solved in `_step_pos`)."""
     pos, _ = check_positions(frame, self.rig,
                              allow_missing=self.supports_masks or self.hold_missing)
@@ -1680,11 +1748,12 @@ class IKSolver:
       raise InputError(f'step takes one frame [{self.rig.num_joints}, 3], got {pos.shape[0]} '
                        f'frames {list(pos.shape)}; use solve() for a clip or solve_stream() '
                        'for batches')
+    pos, scale = self._to_rig(pos, units, input_axes)
     check_extent(pos)
     if self.hold_missing:  # the stream's dropouts filled from its earlier frames
       pos, self._held = hold_missing_joints(pos, self._held, self.rig)
     if not self._stream_checked:
-      self._check_stream(pos)
+      self._check_stream(pos, scale)
     sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
     if self.window <= 1:  # as a clip's frames (`near_origin`), the calibration's float32 too
       pos, sparse, _ = near_origin(pos, sparse)
@@ -1774,31 +1843,55 @@ class IKSolver:
 
     return self._compiled_for(signature, args, lower, self._one_frame)
 
-  def solve_stream(self, frames: Iterable, offsets=None) -> Iterator[np.ndarray]:
-    """Per item of `frames` (`[J, 3]` or a small batch `[b, J, 3]`, b <= block_size): its local
-    rotations, same leading shape. Each item is solved on its own; a temporal filter carries
-    its state across items and calls (the same stream as `step`'s) until `reset()`."""
+  def solve_stream(self, frames: Iterable, offsets=None, *, mask=None,
+                   units: str | float | None = None,
+                   input_axes: str | np.ndarray | None = None) -> Iterator[np.ndarray]:
+    """Per item of `frames` (`[J, 3]` or a small batch `[b, J, 3]`, b <= block_size; metres,
+    rig axes, else `units` and `input_axes` as `solve`'s): its local rotations, same leading
+    shape. The frames of every item are the next frames of one stream, in order (`step`'s:
+    its temporal filter, held joints, subject calibration and a window model's history carry
+    across items and calls until `reset()`), not several people: solve several people's frames
+    with `solve` on `[P, J, 3]` (no stream state), or give each a solver. `mask` `[J]`: the
+    joints the trackers give, for every item (a joint-mask checkpoint; NaN joints count as
+    missing too, as `step`'s); per-frame orientations or end sites go to `step`."""
     off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
     subject = self._device_subject(off)
     for item in frames:
-      pos, single = check_positions(item, self.rig, allow_missing=self.hold_missing)
-      if pos.shape[0] > self.block_size:  # refused before it changes the stream's state
-        raise InputError(f'a stream item holds {pos.shape[0]} frames, more than block_size '
-                         f'{self.block_size}; use solve() for clips')
-      check_extent(pos)
-      if self.hold_missing:
-        pos, self._held = hold_missing_joints(pos, self._held, self.rig)
-      if not self._stream_checked:
-        self._check_stream(pos)
-      history = self._stream_history(pos)
-      x = pos if history is not None else near_origin(pos)[0]  # as a clip's frames
-      local = self._filter_stream(self._run(x, subject, False, history)['local_rot'])
-      if self.subject_calibration:  # one frame as `step` calibrates it, a batch by numpy
-        cal = self._calibration_offsets(off)
-        local = (self._calibrate_frame(local[0], x[0], cal)[None] if len(pos) == 1
-
-                 else self._subject_bias.calibrate(local, pos, cal, self.rig))
+      if not self._stream_busy.acquire(blocking=False):
+        raise self._busy_error()
+      try:
+        local, single = self._stream_item(item, off, subject, mask, units, input_axes)
+      finally:
+        self._stream_busy.release()
       yield local[0] if single else local
+
+  def _stream_item(self, item, off: np.ndarray, subject, mask, units, input_axes
+                   ) -> tuple[np.ndarray, bool]:
+    """One item of `solve_stream` -> (local rotations `[b, J, 3, 3]`, whether it was one
+    frame `[J, 3]`)."""
+    pos, single = check_positions(item, self.rig,
+                                  allow_missing=self.supports_masks or self.hold_missing)
+    if pos.shape[0] > self.block_size:  # refused before it changes the stream's state
+      raise InputError(f'a stream item holds {pos.shape[0]} frames, more than block_size '
+                       f'{self.block_size}; use solve() for clips')
+    pos, scale = self._to_rig(pos, units, input_axes)
+    check_extent(pos)
+    if self.hold_missing:
+      pos, self._held = hold_missing_joints(pos, self._held, self.rig)
+    if not self._stream_checked:
+      self._check_stream(pos, scale)
+    sparse = self.sparse_inputs(pos, mask)
+    history = self._stream_history(pos)
+    if history is not None:  # window models take no other sparse input (as `step`)
+      x, sparse = pos, history
+    else:
+      x, sparse, _ = near_origin(pos, sparse)  # as a clip's frames
+    local = self._filter_stream(self._run(x, subject, False, sparse)['local_rot'])
+    if self.subject_calibration:  # one frame as `step` calibrates it, a batch by numpy
+      cal = self._calibration_offsets(off)
+      local = (self._calibrate_frame(local[0], x[0], cal)[None] if len(pos) == 1
+               else self._subject_bias.calibrate(local, pos, cal, self.rig))
+    return local, single
 
   @property
   def trace_count(self) -> int:
@@ -1815,6 +1908,7 @@ class IKSolver:
              else np.asarray(frame, np.float64))
     saved, held = self._filter_state, self._held  # the timing stream must not disturb the user's
     saved_history, bias = copy.deepcopy(self._history), copy.deepcopy(self._subject_bias)
+    checked, last = self._stream_checked, self._step_pos
     for _ in range(warmup):
       self.step(frame)
     times = []
@@ -1823,7 +1917,7 @@ class IKSolver:
       self.step(frame)
       times.append(time.perf_counter() - t)
     self._filter_state, self._history, self._held = saved, saved_history, held
-    self._subject_bias = bias
+    self._subject_bias, self._stream_checked, self._step_pos = bias, checked, last
     ms = 1e3 * np.asarray(times)
     return {'n': int(n), 'median_ms': float(np.median(ms)),
             'p99_ms': float(np.percentile(ms, 99)), 'mean_ms': float(ms.mean()),

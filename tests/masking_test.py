@@ -238,6 +238,11 @@ def test_solver_nan_joints_are_missing(rig, tmp_path):
   np.testing.assert_array_equal(a, b)
   assert np.isfinite(a).all()
   np.testing.assert_allclose(solver.step(holes[0]), a[0], atol=1e-5)
+  # A stream takes them too: NaN joints one frame or a few at a time, or a fixed mask.
+  streamed = list(solver.solve_stream([holes[0], holes[1:]]))
+  np.testing.assert_allclose(streamed[0], a[0], atol=1e-5)
+  np.testing.assert_allclose(streamed[1], a[1:], atol=1e-5)
+  np.testing.assert_allclose(np.stack(list(solver.solve_stream(pos, mask=mask))), a, atol=1e-5)
   solver.solve(pos, orientations=np.broadcast_to(np.eye(3), (4, rig.num_joints, 3, 3)))
   with pytest.raises(InputError, match='estimate_lengths'):
     solver.solve(holes, estimate_lengths=True)
@@ -252,6 +257,8 @@ def test_solver_nan_joints_are_missing(rig, tmp_path):
     plain.solve(holes)
   with pytest.raises(InputError, match='joint masks'):
     plain.solve(pos, mask=mask)
+  with pytest.raises(InputError, match='joint masks'):
+    next(plain.solve_stream(pos, mask=mask))
   with pytest.raises(InputError, match='orientation'):
     plain.solve(pos, orientations=np.broadcast_to(np.eye(3), (4, rig.num_joints, 3, 3)))
 

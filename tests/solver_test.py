@@ -311,8 +311,13 @@ def test_input_errors(solver):
     solver.solve(pos[..., :2])
   bad = pos.copy()
   bad[1, 6, 2] = np.nan
-  with pytest.raises(InputError, match=r'NaN/inf: frame 1, joint 6 \(Head\)'):
+  with pytest.raises(InputError, match=r'NaN/inf: frame 1, joint 6 \(Head\).*hold_missing=True'):
     solver.solve(bad)
+  trackers = pos.copy()
+  trackers[:, [2, 3]] = np.nan  # the same joints in every frame: no tracker there
+  with pytest.raises(InputError, match=r'Spine, Spine1 missing in every frame: a tracker subset '
+                     r'needs a checkpoint trained with joint masks'):
+    solver.solve(trackers)
   bad[1, 6, 2] = np.inf
   with pytest.raises(InputError, match='NaN/inf'):
     solver.step(bad[1])
@@ -625,7 +630,7 @@ def test_sparse_attention_solves_the_same(tmp_path_factory, solver):
   hlo = [sol._forward.lower(sol._leaves, x, *sol._device_subject(sol.offsets)[:2], False).as_text()
          for sol in (sparse, solver)]
   assert hlo[0] != hlo[1]  # another evaluation was compiled, not the dense one again
-  with pytest.raises(ValueError, match='form must be'):
+  with pytest.raises(InputError, match="attention must be 'dense', 'sparse' or 'auto', got 'fast'"):
     IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory), attention='fast')
 
 
@@ -633,15 +638,22 @@ def test_sparse_attention_solves_the_same(tmp_path_factory, solver):
 # Tracker dropouts held (`hold_missing`).
 
 
-def _held_reference(pos: np.ndarray) -> np.ndarray:
-  """Frame by frame: a missing root stays where it was; another missing joint keeps its
-  offset from the root of the frame before (the definition `hold_missing_joints` vectorises)."""
-  out, prev = [], None
+def _held_reference(pos: np.ndarray, rig) -> np.ndarray:
+  """Frame by frame: a missing root keeps its offset from the mean of its children seen both
+  now and where the root was last seen (none: it stays where it was in the frame before);
+  another missing joint keeps its offset from the root of the frame before (the definition
+  `hold_missing_joints` vectorises)."""
+  kids = list(rig.children[0])
+  out, prev, root_seen, kids_seen = [], None, None, None
   for f in pos:
     f = f.copy()
     bad = ~np.isfinite(f).all(axis=-1)
-    if bad[0]:
-      f[0] = prev[0]
+    if not bad[0]:
+      root_seen, kids_seen = f[0].copy(), f[kids].copy()
+    else:
+      both = [i for i, k in enumerate(kids) if not bad[k] and np.isfinite(kids_seen[i]).all()]
+      f[0] = (root_seen + np.mean([f[kids[i]] - kids_seen[i] for i in both], axis=0) if both
+              else prev[0])
     for j in np.nonzero(bad[1:])[0] + 1:
       f[j] = prev[j] - prev[0] + f[0]
     out.append(f)
@@ -662,7 +674,7 @@ def test_hold_missing_joints_fills_causally_and_alike_in_any_chunks(solver):
   rig = solver.rig
   pos = _dropouts(posed_clip(rig, solver.offsets, T=9, seed=3))
   filled, state = solver_lib.hold_missing_joints(pos, None, rig)
-  np.testing.assert_allclose(filled, _held_reference(pos), rtol=0, atol=1e-12)
+  np.testing.assert_allclose(filled, _held_reference(pos, rig), rtol=0, atol=1e-12)
   ok = np.isfinite(pos).all(axis=-1)
   np.testing.assert_array_equal(filled[ok], pos[ok])  # observed joints untouched
   for chunks in ([1] * 9, [2, 3, 4], [4, 5]):
@@ -677,6 +689,27 @@ def test_hold_missing_joints_fills_causally_and_alike_in_any_chunks(solver):
   with pytest.raises(InputError, match=r'joint 9 \(LeftHand\) is missing .* in frame 0 and was '
                      'not seen before it'):
     solver_lib.hold_missing_joints(pos[2:], None, rig)
+
+
+def test_a_missing_root_moves_with_its_children(solver):
+  """A walker whose root (pelvis) tracker drops out: the root keeps its offset from its
+  children seen with it (exact for a body that moves rigidly without turning), so the held
+  joints below it move too; a child missing as well leaves it to the others, and with none
+  seen the root stays where it was."""
+  rig = solver.rig
+  still = posed_clip(rig, solver.offsets, T=1, seed=7)[0]
+  walk = still + np.linspace(0.0, 1.5, 30)[:, None, None] * np.array([0.0, 0.05, 1.0])
+  pos = walk.copy()
+  pos[5:25, 0] = np.nan  # the root for 20 frames
+  pos[10:25, 9] = np.nan  # a hand too
+  pos[12:16, rig.children[0][1]] = np.nan  # and one of the root's children for a while
+  filled, _ = solver_lib.hold_missing_joints(pos, None, rig)
+  np.testing.assert_allclose(filled, walk, rtol=0, atol=1e-12)
+  np.testing.assert_allclose(filled, _held_reference(pos, rig), rtol=0, atol=1e-12)
+  pos[20:25, list(rig.children[0])] = np.nan  # none of them: it stays
+  filled, _ = solver_lib.hold_missing_joints(pos, None, rig)
+  np.testing.assert_array_equal(filled[20:25, 0], np.broadcast_to(filled[19, 0], (5, 3)))
+  np.testing.assert_allclose(filled, _held_reference(pos, rig), rtol=0, atol=1e-12)
 
 
 def test_solver_holds_dropouts_in_clips_and_streams(tmp_path_factory):
@@ -829,6 +862,50 @@ def test_a_stream_hears_units_and_axes_at_its_first_frame(tmp_path_factory):
   msgs = caught(lambda: [solver.solve(f) for f in z_up])
   assert len(msgs) == 1 and 'up axis looks wrong' in msgs[0], msgs
   assert len(caught(lambda: solver.solve(z_up))) == 1  # a clip: said every time
+
+
+def test_a_stream_in_other_units_and_axes(tmp_path_factory):
+  """`step` and `solve_stream` take a stream's `units` and `input_axes`, as `solve` does (the
+  warnings' --units / --input_axes): the same rotations as metres in rig axes, no warning;
+  `latency_stats` (rest frames in metres) leaves a stream's first-frame check to its frames."""
+  solver = IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory))
+  pos = posed_clip(solver.rig, solver.offsets, T=3, seed=8)
+  M = parse_input_axes('x,z,-y')
+  given = pos @ M * 100.0  # centimetres, z up: rig = M @ given / 100
+  want = solver.solve(pos)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    got = [solver.step(f, units='cm', input_axes='x,z,-y') for f in given]
+    solver.reset()
+    streamed = list(solver.solve_stream([given[0], given[1:]], units='cm',
+                                        input_axes='x,z,-y'))
+  np.testing.assert_allclose(np.stack(got), want, atol=1e-5)
+  np.testing.assert_allclose(np.concatenate([streamed[0][None], streamed[1]]), want, atol=1e-5)
+  solver.reset()
+  solver.latency_stats(n=2, warmup=1)
+  with pytest.warns(UserWarning, match='looks like centimetres: pass --units=cm'):
+    solver.step(pos[0] * 100.0)
+
+
+def test_one_stream_per_solver_a_second_caller_is_refused(tmp_path_factory):
+  """While `step` (or a `solve_stream` item) runs, another call on the same solver is refused
+  in one line rather than interleaved with the stream's state; bad options likewise."""
+  solver = IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory))
+  frame = posed_clip(solver.rig, solver.offsets, T=1, seed=9)[0]
+  solver.step(frame)
+  assert solver._stream_busy.acquire(blocking=False)  # as another thread inside `step`
+  try:
+    with pytest.raises(InputError, match='another thread is in this solver.s step'):
+      solver.step(frame)
+    with pytest.raises(InputError, match='another thread'):
+      next(solver.solve_stream([frame]))
+    solver.solve(frame[None])  # clips keep no stream state
+  finally:
+    solver._stream_busy.release()
+  solver.step(frame)
+  for bad in ('30', None, True, float('nan')):
+    with pytest.raises(InputError, match='fps must be a positive frame rate'):
+      solver.fps = bad
 
 
 def test_fps_and_offsets_set_start_a_new_stream(tmp_path_factory):
