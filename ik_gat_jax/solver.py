@@ -1693,7 +1693,9 @@ class IKSolver:
 
     The cheap checks (shape, finite; units and axes on a stream's first frame); compiled once.
     With a temporal filter the output is filtered with the stream's state (kept until
-    `reset`). `mask`, `orientations`,
+    `reset`). `offsets`: this frame's subject, if not the solver's (a new person in the same
+    stream is not a new stream: call `reset()`, or assign `solver.offsets`, which does).
+    `mask`, `orientations`,
     `orientation_mask`, `end_sites`: sparse inputs of this frame (`[J]`, `[J, 3, 3]`, `[E, 3]`;
     module docstring; metres, rig axes). On a CPU with several cores, a process that serves
     live frames starts
