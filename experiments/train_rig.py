@@ -54,6 +54,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
 import signal
 import sys
 import threading
@@ -566,8 +567,13 @@ def run(o: Options, log: Log = _print) -> dict:
   for flag, value in (('--steps', o.steps), ('--prior_steps', o.prior_steps)):
     if value is not None and value < 1:
       raise ValueError(f'{flag} must be a positive number of steps, got {value}')
-  # Refused before the workdir is made: the files, the units, the split rule.
+  # Refused before the workdir is made: the files, the joint map, the rate, the units, the
+  # split rule.
   conversion.find_bvh_files(o.bvh)
+  if o.rig != 'auto':
+    retarget.load_joint_map(o.rig)
+  if not (isinstance(o.fps, (int, float)) and math.isfinite(o.fps) and o.fps > 0):
+    raise ValueError(f'--fps must be a positive number, got {o.fps!r}')
   if not (isinstance(o.units, str) and o.units.strip().lower() == 'auto'):
     parse_units(o.units)
   if o.split.endswith('.json'):

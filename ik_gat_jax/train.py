@@ -921,6 +921,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     log(f'the train split of {config.data} has {len(train_data)} frames, fewer than a batch of '
         f'{tc.batch_size}: every batch repeats frames')
   check_window_fps(config, train_data)
+  if config.get('augment') is not None and config.augment.get('mirror', 0) > 0:
+    input_pipeline.check_mirror(rig)  # here, not at the first traced step: no workdir yet
   _check_same_data(workdir, saved, data_info)
   graphdef, state = init_state(task, config, rig, train_data)
   if tc.get('init_from') and saved is None:  # a fresh run only; resume restores

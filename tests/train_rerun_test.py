@@ -173,6 +173,17 @@ def test_missing_data_init_from_or_teacher_is_refused_without_making_the_workdir
             'no checkpoint'),
            (tiny_config(cmu_shards, train=dict(distill_from=nope)), checkpointing.CheckpointError,
             'no checkpoint')]
+  # Mirror augmentation on a rig that is not mirror-symmetric: refused here too, not at the
+  # first traced step after run.json said "running".
+  crumpled = tmp_path / 'crumpled'
+  shutil.copytree(cmu_shards, crumpled)
+  rig = json.loads((crumpled / 'rig.json').read_text())
+  left = rig['joint_names'].index('LeftUpLeg')
+  rig['template_offsets'][left] = [-v for v in rig['template_offsets'][left]]
+  (crumpled / 'rig.json').write_text(json.dumps(rig))
+  mirrored = tiny_config(str(crumpled))
+  mirrored.augment.mirror = 0.5
+  cases.append((mirrored, ValueError, 'augment.mirror: .* is not mirror-symmetric'))
   for c, error, message in cases:
     with pytest.raises(error, match=message):
       train.train_and_evaluate(c, tmp_path / 'w', log=_quiet)

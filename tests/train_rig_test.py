@@ -218,7 +218,9 @@ def test_a_failed_stage_is_recorded(tmp_path, cmu_dir):
   (tmp_path / 'bvh' / '09_03.bvh').symlink_to(cmu_dir / '09_03.bvh')
   # Bad options are refused before the workdir is made.
   for bad, match in ((dict(units='furlong'), '--units'), (dict(split='foo'), '--split'),
-                     (dict(bvh=str(tmp_path)), 'no .bvh files')):
+                     (dict(bvh=str(tmp_path)), 'no .bvh files'),
+                     (dict(rig=str(tmp_path / 'nope.json')), 'nope.json does not exist'),
+                     (dict(fps=0.0), '--fps must be a positive number')):
     o = train_rig.Options(**{'bvh': str(tmp_path / 'bvh'), 'workdir': str(tmp_path / 'w'),
                              **bad})
     if 'bvh' in bad:
