@@ -591,7 +591,8 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
       raise ConversionError(str(e)) from None
     plan = retarget.plan_reduction(raw.names, raw.parents, jmap, names, parents)
     reference = retarget.reference_rotations(first, jmap, plan, W)
-  if target is None and shards.rig is None:
+  derived = target is None and shards.rig is None
+  if derived:
     target = retarget.derive_rig(rig_name, jmap, names, parents, _subject_mean_offsets(clips),
                                  reference)
     doubt = doubt_up_axis(clips, jmap)
@@ -608,6 +609,9 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
     target = target or shards.rig
     if jmap.reference_pose is not None:
       retarget.check_reference(target, reference, jmap)
+  other_binds = other_bind_warning(target, clips, derived)
+  if other_binds:
+    log(f'WARNING: rig {target.name}: {other_binds}')
   run = {'input': str(input_path), 'joint_map': jmap.name, 'joint_map_sha256': jmap.sha256,
          'units_m': jmap.units, 'up': jmap.up, 'forward': jmap.forward,
          'drop_first_frame': jmap.drop_first_frame, 'split': split,
@@ -619,6 +623,36 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
          'seconds': round(time.perf_counter() - started, 3), 'git_commit': git_commit(),
          'time_utc': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
   return write_output(output, shards, target, clips, float(fps), split_sources, run)
+
+
+def other_bind_warning(rig: skeleton.Rig, clips: Sequence[Clip], derived: bool) -> str | None:
+  """Why some files' zero poses look like another bind of the rig's joints, or None: their
+  bones point a median over `skeleton.REST_POSE_WARN_DEG`, or one bone over
+  `skeleton.REST_BONE_WARN_DEG`, from the rig template's (a rig derived here: from the first
+  file's), in the rig's natural pose, as `solve` warns for one clip. Different subjects of one
+  lab stay well under (CMU's: a median of 3 deg at most, one bone 19 deg). Mixed binds would
+  teach contradictory twists for the same pose."""
+  if not clips or not (rig.template_offsets or derived):
+    return None
+  ref = (dataclasses.replace(rig, template_offsets=tuple(map(tuple, clips[0].offsets.tolist())))
+         if derived else rig)
+  far = []
+  for c in clips:
+    a = skeleton.rest_pose_angles(c.offsets, ref)
+    if a.size and np.isfinite(a).any():
+      med, k = float(np.nanmedian(a)), int(np.nanargmax(a))
+      if med > skeleton.REST_POSE_WARN_DEG or a[k] > skeleton.REST_BONE_WARN_DEG:
+        far.append((Path(c.path).name, med, float(a[k]), rig.joint_names[k]))
+  if not far:
+    return None
+  name, med, worst, joint = max(far, key=lambda f: f[2])
+  whose = f'the first file\'s ({Path(clips[0].path).name})' if derived else 'the rig\'s template'
+  return (f'{len(far)} of {len(clips)} files are another bind of its joints: their zero poses '
+          f'point bones from {whose} by a median up to {max(f[1] for f in far):.0f} deg, '
+          f'{worst:.0f} deg at {joint} in {name} ({", ".join(f[0] for f in far[:3])}'
+          f'{" ..." if len(far) > 3 else ""}), so the same pose would train other twists: '
+          'convert each bind to its own folder, or name the files\' natural pose '
+          '(--reference_pose=first_frame, a joint map "reference_pose")')
 
 
 def doubt_up_axis(clips: Sequence[Clip], jmap: retarget.JointMap) -> str | None:

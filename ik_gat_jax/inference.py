@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +29,7 @@ from ik_gat_jax import losses
 from ik_gat_jax import metrics
 from ik_gat_jax import model as model_lib
 from ik_gat_jax import rotations
+from ik_gat_jax import skeleton
 from ik_gat_jax import temporal
 from ik_gat_jax.errors import CheckpointError
 from ik_gat_jax.skeleton import Rig
@@ -554,9 +556,17 @@ def load_model(checkpoint_dir: str | os.PathLike, task: Task = IKGAT_TASK,
     raise CheckpointError(f'checkpoint {path} has unusable metadata (rig, config):'
                                         f' {checkpointing.one_line(e)}') from e
   if expected_rig is not None and rig.joint_names != expected_rig.joint_names:
+    ours, theirs = rig.joint_names, expected_rig.joint_names
+    k = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours),
+                                                                             len(theirs)))
+    differ = (f'joint {k}: {ours[k]!r} against {theirs[k]!r}' if k < min(len(ours), len(theirs))
+              else f'{abs(len(ours) - len(theirs))} joints more in one')
     raise CheckpointError(
         f'checkpoint {path} is for rig {rig.name!r} ({rig.num_joints} joints), not '
-        f'{expected_rig.name!r} ({expected_rig.num_joints} joints)')
+        f'{expected_rig.name!r} ({expected_rig.num_joints} joints): their joints differ '
+        f'({differ})')
+  if expected_rig is not None:
+    warn_other_bind(rig, expected_rig, path)
   graphdef, params, rngs, rest = abstract_model(config, rig, task)
   target = on_one_device({'params': params, 'rest': rest})
   tree = None if cached is None else checkpointing.cache_tree(cached, target)
@@ -566,6 +576,29 @@ def load_model(checkpoint_dir: str | os.PathLike, task: Task = IKGAT_TASK,
     if cache is not None:
       checkpointing.cache_store(cache, key, path, meta, tree)
   return nnx.merge(graphdef, tree['params'], jax.tree.map(_fresh_rng, rngs), tree['rest']), meta
+
+
+def warn_other_bind(rig: Rig, expected: Rig, path) -> str | None:
+  """A warning (`warnings.warn`, also returned) when `expected` (the data's rig, or the one a
+  command names) has the checkpoint rig's joints under another bind: its template's bones point
+  a median over `skeleton.REST_POSE_WARN_DEG`, or one over `skeleton.REST_BONE_WARN_DEG`, from
+  the checkpoint's in its natural pose (`skeleton.rest_pose_angles`; another lab's files of
+  the same joint names). The model's twists are relative to its own rest pose."""
+  if expected.fingerprint() == rig.fingerprint() or not expected.template_offsets:
+    return None
+  angles = skeleton.rest_pose_angles(expected.template(), rig)
+  if not (angles.size and np.isfinite(angles).any()):
+    return None
+  median, k = float(np.nanmedian(angles)), int(np.nanargmax(angles))
+  if median <= skeleton.REST_POSE_WARN_DEG and angles[k] <= skeleton.REST_BONE_WARN_DEG:
+    return None
+  msg = (f'rig {expected.name!r} is another bind of checkpoint {path}\'s joints (rig '
+         f'{rig.name!r}): its rest bones point a median {median:.0f} deg, up to {angles[k]:.0f} '
+         f'at {rig.joint_names[k]}, from the checkpoint\'s, and the model\'s rotations are '
+         'relative to its own rest pose: train on this bind, or convert the data with the '
+         'checkpoint rig\'s natural pose named')
+  warnings.warn(msg, stacklevel=3)
+  return msg
 
 
 def _fresh_rng(leaf: jax.ShapeDtypeStruct) -> jax.Array:

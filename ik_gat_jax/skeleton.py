@@ -309,6 +309,31 @@ class Rig:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+# Median angle between a subject's rest bones and the rig template's above which its rest pose
+# is another one than the model's (CMU's 7 subjects: medians 0.5-1.3 deg, at most 13 deg for
+# any bone; a rig under random binds: 88 deg; BENCHMARKS.md "Another rest pose").
+REST_POSE_WARN_DEG = 20.0
+# ... or one bone this far (CMU's T-pose first frames named as the natural pose: 21 deg at most;
+# a walking frame: 90).
+REST_BONE_WARN_DEG = 60.0
+
+
+def rest_pose_angles(offsets: np.ndarray, rig: Rig) -> np.ndarray:
+  """`[J]` per joint, the angle (degrees) between the subject's rest offset of its bone and the
+  rig template's, as world vectors in the rig's natural pose (each in its parent's frame where
+  that is the zero pose); NaN for the root and where either offset is zero; empty without a
+  template."""
+  try:
+    template = rig.reference_offsets()
+  except RigError:
+    return np.zeros(0)
+  a, b = rig.reference_offsets(offsets), template
+  na, nb = np.linalg.norm(a, axis=-1), np.linalg.norm(b, axis=-1)
+  ok = (na > 1e-9) & (nb > 1e-9) & (np.asarray(rig.parents) >= 0)
+  cos = np.einsum('ja,ja->j', a, b) / np.where(ok, na * nb, 1.0)
+  return np.where(ok, np.degrees(np.arccos(np.clip(cos, -1.0, 1.0))), np.nan)
+
+
 def validate_rig(rig: Rig) -> None:
   """Raises `RigError` naming the first problem found."""
   J = len(rig.parents)

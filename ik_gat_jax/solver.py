@@ -150,13 +150,9 @@ MAX_WORKERS = 4
 # Unreal is z-up, x-forward, y-right, left-handed (and in centimetres: --units=cm).
 AXIS_PRESETS = {'unity': '-x,y,z', 'unreal': '-y,z,x'}
 _UNIT_WARN_RATIO = 4.0  # median bone length this far from the template's: likely units problem
-# Median angle between a subject's rest bones and the rig template's above which its rest pose
-# is another one than the model's (CMU's 7 subjects: medians 0.5-1.3 deg, at most 13 deg for
-# any bone; a rig under random binds: 88 deg; BENCHMARKS.md "Another rest pose").
-REST_POSE_WARN_DEG = 20.0
-# ... or one bone this far (CMU's T-pose first frames named as the natural pose: 21 deg at most;
-# a walking frame: 90).
-_REST_BONE_WARN_DEG = 60.0
+# A subject's rest pose is another one than the model's beyond these (skeleton.py).
+REST_POSE_WARN_DEG = skeleton.REST_POSE_WARN_DEG
+_REST_BONE_WARN_DEG = skeleton.REST_BONE_WARN_DEG
 # The units a plausibility warning may name (the hint's candidates, in this order).
 _UNIT_LABELS = {'m': 'metres', 'cm': 'centimetres', 'mm': 'millimetres', 'inch': 'inches',
                 'in': 'inches', 'cmu': 'CMU\'s units (0.056444 m; this project\'s BVH of a CMU '
@@ -628,21 +624,7 @@ def check_offsets_size(offsets: np.ndarray, rig: Rig) -> None:
                      'without it)')
 
 
-def rest_pose_angles(offsets: np.ndarray, rig: Rig) -> np.ndarray:
-
-  """`[J]` per joint, the angle (degrees) between the subject's rest offset of its bone and the
-  rig template's, as world vectors in the rig's natural pose (each in its parent's frame where
-  that is the zero pose); NaN for the root and where either offset is zero; empty without a
-  template."""
-  try:
-    template = rig.reference_offsets()
-  except RigError:
-    return np.zeros(0)
-  a, b = rig.reference_offsets(offsets), template
-  na, nb = np.linalg.norm(a, axis=-1), np.linalg.norm(b, axis=-1)
-  ok = (na > 1e-9) & (nb > 1e-9) & (np.asarray(rig.parents) >= 0)
-  cos = np.einsum('ja,ja->j', a, b) / np.where(ok, na * nb, 1.0)
-  return np.where(ok, np.degrees(np.arccos(np.clip(cos, -1.0, 1.0))), np.nan)
+rest_pose_angles = skeleton.rest_pose_angles  # the subject's rest bones against the template's
 
 
 def check_rest_pose(offsets: np.ndarray, rig: Rig) -> str | None:

@@ -430,6 +430,32 @@ def test_game_engine_rig_is_recovered_by_auto(tmp_path, cmu_dir):
   np.testing.assert_allclose(ds.offsets[0], np.asarray(rig.template_offsets), atol=1e-6)
 
 
+def test_files_of_another_bind_are_warned(tmp_path, cmu_dir):
+  """Two subjects' files under one bind convert quietly; a file whose joints carry another
+  bind (each frame rolled 90 degrees about its bone: the same motion, other zero-pose bones
+  where they branch) is named in one warning, as `solve` warns for one clip."""
+  roll = Rotation.from_euler('x', 90, degrees=True).as_matrix()
+  for name, binds in (('same', (False, False)), ('mixed', (False, True))):
+    (tmp_path / name).mkdir()
+    for clip, rolled in zip(('07_01', '08_01'), binds):
+      m = bvh.read_bvh(cmu_dir / f'{clip}.bvh')
+      m.motion = m.motion[:21]
+      C = _bind_rotations(m)
+      bvh.write_bvh(tmp_path / name / f'game_{clip}.bvh', _game_engine_bvh(m, C @ roll if rolled
+                                                                           else C))
+    lines = []
+    conversion.convert(tmp_path / name, 'auto', tmp_path / f'out_{name}', split='all',
+                       units='cm', prune=FINGERS, drop_first_frame=True, rig_name='game',
+                       log=lines.append)
+    said = [ln for ln in lines if 'another bind' in ln]
+    if name == 'same':
+      assert not said, said
+    else:
+      assert len(said) == 1 and said[0].startswith(
+          'WARNING: rig game: 1 of 2 files are another bind of its joints') and (
+          "the first file's (game_07_01.bvh)" in said[0] and '(game_08_01.bvh)' in said[0]), said
+
+
 def test_z_up_source_is_turned_into_the_rig_world(tmp_path, cmu_dir, z_up_copy):
   m = bvh.read_bvh(cmu_dir / '07_01.bvh')
   m.motion = m.motion[:41]

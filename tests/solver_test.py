@@ -908,6 +908,26 @@ def test_one_stream_per_solver_a_second_caller_is_refused(tmp_path_factory):
       solver.fps = bad
 
 
+def test_a_checkpoint_for_another_rig_or_bind(tmp_path_factory):
+  """A checkpoint for other joints is refused naming the first that differs; for the same
+  joints under another bind (the data's rig: its rest bones elsewhere), a warning."""
+  ckpt = tiny_checkpoint(tmp_path_factory)
+  with pytest.raises(CheckpointError, match=r"is for rig 'cmu_body' \(21 joints\), not 'smpl22' "
+                     r"\(22 joints\): their joints differ \(joint 0: 'Hips' against 'pelvis'\)"):
+    IKSolver.from_checkpoint(ckpt, expected_rig='smpl22')
+  cmu = skeleton.cmu_body()
+  off = cmu.template().copy()
+  left = cmu.joint_names.index('LeftUpLeg')
+  off[left] = -off[left]
+  other = skeleton.make_rig('other_bind', cmu.joint_names, cmu.parents, off, cmu.up, cmu.forward)
+  with pytest.warns(UserWarning, match=r"rig 'other_bind' is another bind of checkpoint .* up "
+                    r'to \d+ at LeftUpLeg'):
+    IKSolver.from_checkpoint(ckpt, expected_rig=other)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    IKSolver.from_checkpoint(ckpt, expected_rig=cmu)
+
+
 def test_fps_and_offsets_set_start_a_new_stream(tmp_path_factory):
   """Setting `fps` or new `offsets` starts a new stream, as `reset()` does: the held joints
   (and the subject calibration's sums) of the frames before are forgotten."""
