@@ -599,7 +599,12 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
     if doubt:
       log(f'WARNING: rig {target.name}: {doubt}')
     angle, joint = target.mirror_asymmetry()
-    if angle > NATURAL_POSE_ASYMMETRY_DEG:
+    if not any(m != j for j, m in enumerate(target.mirror)):
+      if angle > NATURAL_POSE_ASYMMETRY_DEG:  # a body's sides, not found by name
+        log(f'WARNING: rig {target.name}: its joint names pair no left and right joints '
+            '(Left/Right, thigh_l or thigh.L, L_ or R_, LHip, lThigh), so mirror augmentation '
+            'and averaging cannot serve it (experiments.train_rig turns augmentation off)')
+    elif angle > NATURAL_POSE_ASYMMETRY_DEG:
       log(f'WARNING: rig {target.name}: its {"reference" if reference is not None else "zero"} '
           f'pose is not mirror-symmetric (the {joint} bone {angle:.0f} degrees from its '
           'partner\'s mirror image), so it is not a natural pose: bone frames and swing-only IK '

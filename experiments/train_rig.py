@@ -487,21 +487,19 @@ def _mirror_off_where_asymmetric(c, p, shards: Path, log: Log, tag: str) -> None
   names no reference pose, another lab's bind of a crumpled zero pose), which would otherwise
   stop the training at its first step; said in one line, with the better way out."""
   rig = skeleton.Rig.from_json(json.loads((shards / 'rig.json').read_text()))
-  try:
-    input_pipeline.check_mirror(rig)
-  except ValueError:
-    angle, joint = rig.mirror_asymmetry()
+  problem = input_pipeline.mirror_problem(rig)
+  if problem is not None:
     turned = [name for name, cfg in (('IK-GAT', c), ('prior', p)) if cfg.augment.mirror > 0]
     for cfg in (c, p):
       cfg.augment.mirror = 0.0
     if turned:
-      way_out = ('the pose named as its reference is not a mirror-symmetric one: a joint map\'s '
-                 'reference_pose can name the T-pose in channel values'
-                 if rig.has_reference_pose else 'if the files start in a T-pose, '
+      way_out = ('' if not any(m != j for j, m in enumerate(rig.mirror)) else
+                 '; the pose named as its reference is not a mirror-symmetric one: a joint '
+                 'map\'s reference_pose can name the T-pose in channel values'
+                 if rig.has_reference_pose else '; if the files start in a T-pose, '
                  '--reference_pose=first_frame gives it its natural pose')
-      log(f'{tag} mirror augmentation off ({" and ".join(turned)}): rig {rig.name} is not '
-          f'mirror-symmetric in its {"reference" if rig.has_reference_pose else "zero"} pose '
-          f'(the {joint} bone {angle:.0f} degrees from its partner\'s mirror image); {way_out}')
+      log(f'{tag} mirror augmentation off ({" and ".join(turned)}): rig {rig.name} '
+          f'{problem}{way_out}')
 
 
 def _flat(d: dict, prefix: str = '') -> dict:

@@ -228,18 +228,35 @@ def check_mirror(rig: Rig, what: str = 'augment.mirror',
   `MIRROR_ASYMMETRY_DEG`): `mirror_rotations` would then pair frames that are not mirror
   images, and the targets would be wrong. A rig without a template is not checked. `what` and
   `off` name the feature and how to turn it off in the message."""
-  if not rig.template_offsets:
+  problem = mirror_problem(rig)
+  if problem is None:
     return
+  if not any(m != j for j, m in enumerate(rig.mirror)):
+    raise ValueError(f'{what}: rig {rig.name!r} {problem}, so mirrored rotations would be '
+                     f'wrong: {off}')
+  raise ValueError(
+      f'{what}: rig {rig.name!r} {problem} (limit {MIRROR_ASYMMETRY_DEG:g}), so mirrored '
+      'rotations would be wrong. Give the rig its natural pose (convert with '
+      '--reference_pose=first_frame, bvh_to_shards\'s or train_rig\'s, or a joint map '
+      f'"reference_pose" of per-joint channel values) or {off}')
+
+
+def mirror_problem(rig: Rig) -> str | None:
+  """Why `rig` cannot be mirrored (a clause after its name), or None: its joint names pair no
+  left and right joints, or its reference pose is not mirror-symmetric (`Rig.mirror_asymmetry`
+  above `MIRROR_ASYMMETRY_DEG`); a rig without a template is not judged."""
+  if not rig.template_offsets:
+    return None
   angle, joint = rig.mirror_asymmetry()
-  if angle > MIRROR_ASYMMETRY_DEG:
-    where = ('its reference pose' if rig.has_reference_pose else
-             'its zero pose (it names no reference_pose)')
-    raise ValueError(
-        f'{what}: rig {rig.name!r} is not mirror-symmetric in {where}: the {joint} bone '
-        f'is {angle:.0f} degrees from its partner\'s mirror image (limit '
-        f'{MIRROR_ASYMMETRY_DEG:g}), so mirrored rotations would be wrong. Give the rig its '
-        'natural pose (convert with bvh_to_shards --reference_pose=first_frame, or a joint map '
-        f'"reference_pose" of per-joint channel values) or {off}')
+  if angle <= MIRROR_ASYMMETRY_DEG:
+    return None
+  if not any(m != j for j, m in enumerate(rig.mirror)):
+    return ('pairs no left and right joints by name (Left/Right, thigh_l or thigh.L, L_ or R_, '
+            'LHip, lThigh), so no joint has a mirror partner')
+  where = ('its reference pose' if rig.has_reference_pose else
+           'its zero pose (it names no reference_pose)')
+  return (f'is not mirror-symmetric in {where}: the {joint} bone is {angle:.0f} degrees from '
+          'its partner\'s mirror image')
 
 
 def mirror_rotations(rig: Rig) -> np.ndarray | None:

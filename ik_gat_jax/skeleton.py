@@ -116,7 +116,8 @@ _OTHER_SIDE = {'L': 'R', 'R': 'L', 'l': 'r', 'r': 'l'}
 
 def mirror_map_from_names(names: Sequence[str]) -> tuple[int, ...]:
   """Pairs joints whose names differ by Left/Right (any case), a side letter between
-  separators (`thigh_l`, `thigh.L`, `l_hip`, `Bip01 L Thigh`), or an L/R prefix (LHipJoint)."""
+  separators (`thigh_l`, `thigh.L`, `l_hip`, `Bip01 L Thigh`), an L/R prefix (LHipJoint) or an
+  l/r one before a capital (lThigh)."""
   index = {n: i for i, n in enumerate(names)}
 
   def partner(n: str) -> int:
@@ -131,6 +132,10 @@ def mirror_map_from_names(names: Sequence[str]) -> tuple[int, ...]:
     for a, b in (('L', 'R'), ('R', 'L')):
       if n.startswith(a) and b + n[1:] in index:
         return index[b + n[1:]]
+    if n[:1] in ('l', 'r') and n[1:2].isupper():  # DAZ / Poser: lThigh, rShldr
+      other = {'l': 'r', 'r': 'l'}[n[0]] + n[1:]
+      if other in index:
+        return index[other]
     return index[n]
 
   return tuple(partner(n) for n in names)

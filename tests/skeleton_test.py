@@ -53,6 +53,22 @@ def test_mirror_map():
   names = ['pelvis', 'thigh_l', 'upper_arm.L', 'l_hip', 'Bip01 L Thigh', 'LEFT_FOOT', 'Lumbar',
            'thigh_r', 'upper_arm.R', 'r_hip', 'Bip01 R Thigh', 'RIGHT_FOOT', 'Rumbar_x']
   assert sk.mirror_map_from_names(names) == (0, 7, 8, 9, 10, 11, 6, 1, 2, 3, 4, 5, 12)
+  # DAZ / Poser: an l/r prefix before a capital; 'rootJoint' and 'lumbar' are no side.
+  assert sk.mirror_map_from_names(['hip', 'lThigh', 'rThigh', 'rootJoint', 'lumbar']) == (
+      0, 2, 1, 3, 4)
+
+
+def test_a_rig_whose_names_pair_no_sides_cannot_mirror():
+  """Names with no side in them (J00, J01, ...): every joint its own partner, so mirroring
+  would be wrong; the refusal says why (not that the pose is asymmetric)."""
+  from ik_gat_jax import input_pipeline
+  cmu = sk.cmu_body()
+  plain = sk.make_rig('plain', [f'J{j:02d}' for j in range(cmu.num_joints)], cmu.parents,
+                      cmu.template(), cmu.up, cmu.forward)
+  assert plain.mirror == tuple(range(cmu.num_joints))
+  with pytest.raises(ValueError, match=r"rig 'plain' pairs no left and right joints by name"):
+    input_pipeline.check_mirror(plain)
+  input_pipeline.check_mirror(cmu)
 
 
 @pytest.mark.parametrize('change, message', [
