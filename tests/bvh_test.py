@@ -405,3 +405,8 @@ def test_namespace_is_dropped_only_when_every_joint_carries_the_same_one():
   np.testing.assert_array_equal(out.motion, m.motion)
   plain = bvh.parse_bvh(_text())
   assert bvh.strip_namespace(plain) is plain
+  # Most joints in one namespace, a few not: said so (solve names it instead of "lacks joints").
+  assert bvh.partial_namespace(['A:Hips', 'A:Spine', 'Neck']) == (
+      "namespace 'A:' on 2 of 3 joints (not on Neck)")
+  for whole in (['A:Hips', 'A:Spine'], ['Hips', 'Spine'], ['A:Hips', 'Spine', 'Neck']):
+    assert bvh.partial_namespace(whole) is None, whole

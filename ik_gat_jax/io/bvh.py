@@ -176,6 +176,20 @@ def namespace(names) -> str:
   return space if all(len(n) > len(space) for n in names) else ''
 
 
+def partial_namespace(names) -> str | None:
+  """Where most of `names` carry one namespace and some do not (a file edited by hand or by a
+  tool that renamed a joint): 'namespace 'Anna:' on 26 of 27 joints (not on Spine1)', said
+  instead of the joints the others seem to lack; None otherwise."""
+  names = list(names)
+  spaces = [n[:n.rfind(':') + 1] for n in names]
+  common = max(set(spaces), key=spaces.count)
+  if not common or namespace(names) or 2 * spaces.count(common) <= len(names):
+    return None
+  off = [n for n, s in zip(names, spaces) if s != common]
+  return (f'namespace {common!r} on {len(names) - len(off)} of {len(names)} joints (not on '
+          f'{", ".join(off[:4])}{" ..." if len(off) > 4 else ""})')
+
+
 def strip_namespace(motion: BVHMotion) -> BVHMotion:
   """`motion` with its joints' common `namespace` dropped (the same object when there is
   none); offsets, channels and motion unchanged."""

@@ -328,6 +328,10 @@ def bvh_joint_map(motion: bvh.BVHMotion, rig: Rig, joint_map: str | None = None,
     if jmap is not None and {s for s, _ in jmap.joints} | set(jmap.prune) <= names:
       return _with_extra_subtrees_pruned(motion, jmap).with_overrides(units=scale)
   if not set(rig.joint_names) <= names:
+    partial = bvh.partial_namespace(motion.names)
+    if partial:
+      raise InputError(f'BVH {motion.path}: its joint names carry {partial}: give every joint '
+                       'the same namespace, or none')
     raise InputError(f'BVH {motion.path} lacks joints {sorted(set(rig.joint_names) - names)[:6]}'
                      f' of rig {rig.name!r} and no joint map fits it: pass --joint_map=JSON '
                      '(ik_gat_jax/io/joint_maps/schema.json)')
