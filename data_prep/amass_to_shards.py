@@ -26,7 +26,8 @@ the SMPL+H models from the MANO site under ~/smplh):
   to --fps (decimation for integer ratios, else slerp). Files without poses (shape.npz) are
   skipped. Every file is verified (FK vs the raw SMPL chain, limit 1e-5 m).
 Running again with the same --output adds new files. Progress per file goes to stderr; bad input
-exits 1 with a one-line reason and leaves --output as it was. Library: data_prep/amass.py.
+exits 2 with a one-line reason (`error: ...`) and leaves --output as it was. Library:
+data_prep/amass.py.
 """
 
 import os
@@ -38,6 +39,7 @@ from absl import flags  # noqa: E402
 
 from data_prep import amass  # noqa: E402
 from data_prep import conversion  # noqa: E402
+from ik_gat_jax.absl_main import fail  # noqa: E402
 from ik_gat_jax.errors import ConversionError  # noqa: E402
 
 _INPUT = flags.DEFINE_string('input', None, 'AMASS root, a sub-dataset/subject directory, or '
@@ -63,7 +65,7 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
   missing = [f'--{f.name}' for f in (_INPUT, _OUTPUT) if not f.value]
   if missing:
-    raise SystemExit(f'amass_to_shards: error: {", ".join(missing)} required')
+    fail(f'{", ".join(missing)} required')
   expand = lambda p: os.path.expanduser(p) if p else p  # noqa: E731
   try:
     summary = amass.convert(
@@ -72,7 +74,7 @@ def main(argv):
         split=_SPLIT.value, fps=_FPS.value, num_betas=_NUM_BETAS.value,
         split_file=expand(_SPLIT_FILE.value), on_error=_ON_ERROR.value)
   except (ConversionError, OSError) as e:
-    raise SystemExit(f'amass_to_shards: error: {e}') from None
+    fail(str(e))
   run = summary['runs'][-1]
   gap = run.get('lbs_joint_gap_max_m')
   conversion.log_stderr(

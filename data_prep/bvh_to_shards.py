@@ -27,8 +27,8 @@ Example (the CMU data: 88 files -> 27155 frames at 30 fps, about 15 s on 2 CPU c
   per-joint channel values (schema). Bone frames, swing-only IK and mirroring use it.
 - Every file is verified (FK of the reduced rig vs the raw channels, limit 1e-5 m); a file that
   cannot be reduced or verified stops the run with the reason (or is skipped: --on_error=skip).
-Progress per file goes to stderr; bad input exits 1 with a one-line reason and leaves --output
-as it was. Layout of DIR: ik_gat_jax/data.py.
+Progress per file goes to stderr; bad input exits 2 with a one-line reason (`error: ...`) and
+leaves --output as it was. Layout of DIR: ik_gat_jax/data.py.
 """
 
 import json
@@ -41,7 +41,7 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 from data_prep import conversion  # noqa: E402
-from ik_gat_jax.absl_main import run_main  # noqa: E402
+from ik_gat_jax.absl_main import fail, run_main  # noqa: E402
 from ik_gat_jax.errors import ConversionError  # noqa: E402
 from ik_gat_jax.io import bvh  # noqa: E402
 
@@ -78,7 +78,7 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
   missing = [f'--{f.name}' for f in (_INPUT, _RIG, _OUTPUT) if not f.value]
   if missing:
-    raise SystemExit(f'bvh_to_shards: error: {", ".join(missing)} required')
+    fail(f'{", ".join(missing)} required')
   summary_json = Path(_OUTPUT.value) / 'summary.json'
   try:
     runs_before = len(json.loads(summary_json.read_text()).get('runs', []))
@@ -92,7 +92,7 @@ def main(argv):
         split_file=_SPLIT_FILE.value, rig_name=_RIG_NAME.value, on_error=_ON_ERROR.value,
         reference_pose=_REFERENCE_POSE.value)
   except (ConversionError, bvh.BVHError, OSError) as e:
-    raise SystemExit(f'bvh_to_shards: error: {e}') from None
+    fail(str(e))
   runs_after = len(summary.get('runs', []))
   if runs_after and runs_before == runs_after:  # nothing new: the folder as it was
     conversion.log_stderr(f'unchanged {_OUTPUT.value}: rig {summary["rig"]}, files '

@@ -72,6 +72,7 @@ from absl import flags  # noqa: E402
 from scipy.spatial.transform import Rotation  # noqa: E402
 
 from ik_gat_jax import skeleton  # noqa: E402
+from ik_gat_jax.absl_main import fail  # noqa: E402
 from ik_gat_jax.io import atomic  # noqa: E402
 from ik_gat_jax.io import bvh  # noqa: E402
 from ik_gat_jax.io import retarget  # noqa: E402
@@ -347,13 +348,13 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
   if not F.input or not F.output:
-    raise SystemExit('rerig: error: --input and --output required')
+    fail('--input and --output required')
   try:
     m = rerig_directory(F.input, F.output, F.files, F.seed, F.order,
                         F.units, F.bind,
                         None if F.precision < 0 else F.precision, F.up, F.forward)
   except (RerigError, bvh.BVHError, ValueError, OSError) as e:
-    raise SystemExit(f'rerig: error: {e}') from None
+    fail(str(e))
   print(f'wrote {len(m["files"])} files to {F.output} (max FK error '
         f'{max(r["fk_max_error_m"] for r in m["files"]):.2e} m); convert with: python -m '
         f'data_prep.bvh_to_shards --input={F.output} '

@@ -31,6 +31,13 @@ def run_main(main: Callable, define_flags: Callable[[], None] | None = None,
   app.run(main, flags_parser=_parse_flags)
 
 
+def fail(message: str) -> NoReturn:
+  """A command line's refusal of its input: `error: message` on stderr, exit status 2, as every
+  main of this project says it (experiments' through `fail_on_user_error`)."""
+  print(f'error: {message}', file=sys.stderr)
+  sys.exit(2)
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing (`app.parse_flags_with_usage`), with exit status 0 after a help text
   and a one-line refusal of an override of no config field (`run_main`)."""

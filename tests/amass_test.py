@@ -344,6 +344,6 @@ def test_command_line(tmp_path, converted):
                     drop=('trans',))
   err = subprocess.run(cmd + [f'--input={bad}', f'--output={tmp_path / "o2"}'], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
-  assert err.returncode == 1 and not (tmp_path / 'o2').exists()
-  assert err.stderr.strip().splitlines()[-1].startswith('amass_to_shards: error: ')
+  assert err.returncode == 2 and not (tmp_path / 'o2').exists()
+  assert err.stderr.strip().splitlines()[-1].startswith('error: ')
   assert 'missing field trans' in err.stderr

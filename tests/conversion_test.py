@@ -344,9 +344,9 @@ def test_command_line_reports_bad_input_in_one_line(tmp_path):
       [sys.executable, '-m', 'data_prep.bvh_to_shards', f'--input={tmp_path}/none.bvh',
        '--rig=cmu_body', f'--output={tmp_path}/out'], cwd=REPO, capture_output=True, text=True,
       timeout=120)
-  assert result.returncode == 1
+  assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1] == (
-      f'bvh_to_shards: error: input {tmp_path}/none.bvh does not exist')
+      f'error: input {tmp_path}/none.bvh does not exist')
   assert not (tmp_path / 'out').exists()
 
 
