@@ -555,6 +555,8 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
     split_sources = {f'--split={split}': None}
 
   new, skipped = new_inputs(inputs, shards, output, log)
+  if new and on_error == 'fail':
+    _check_joint_map_first(new[0][1], jmap, known)
   todo = [(file, path, sha, *assign_split(file, sha, split, split_doc),
            subject_of(file, jmap.subject_regex)) for file, path, sha in new]
   if not todo:
@@ -628,6 +630,22 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
          'seconds': round(time.perf_counter() - started, 3), 'git_commit': git_commit(),
          'time_utc': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
   return write_output(output, shards, target, clips, float(fps), split_sources, run)
+
+
+def _check_joint_map_first(path, jmap: retarget.JointMap, known: skeleton.Rig | None) -> None:
+  """Refuses (ConversionError) a joint map that does not fit the first file's joints before its
+  name is judged (the committed split, the subject pattern): a folder of another rig then hears
+  the real cause first. Unreadable files are left to their conversion's own error."""
+  try:
+    motion = bvh.strip_namespace(bvh.read_bvh(path))
+  except (bvh.BVHError, OSError):
+    return
+  try:
+    retarget.plan_reduction(motion.names, motion.parents, jmap,
+                            known.joint_names if known else None,
+                            known.parents if known else None)
+  except ConversionError as e:
+    raise ConversionError(f'{Path(path).name}: {e}') from None
 
 
 def other_bind_warning(rig: skeleton.Rig, clips: Sequence[Clip], derived: bool) -> str | None:

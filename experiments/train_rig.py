@@ -74,6 +74,7 @@ from experiments.configs import prior as prior_config
 from ik_gat_jax import checkpointing, data, evaluation, inference, iterative_ik, prior_task
 from ik_gat_jax import input_pipeline, provenance, skeleton, train, vposer
 from ik_gat_jax import solver as solver_lib
+from ik_gat_jax.errors import ConversionError
 from ik_gat_jax.io import atomic, retarget
 from ik_gat_jax.io.units import parse_units
 
@@ -283,10 +284,17 @@ def _convert(o: Options, w: Path, m: Manifest, log: Log, tag: str, files: list,
   units = o.units
   if isinstance(units, str) and units.strip().lower() == 'auto' and o.rig != 'auto':
     units = None  # the joint map's own
-  summary = conversion.convert(o.bvh, o.rig, shards, split=split, split_file=split_file,
-                               fps=o.fps, units=units, up=o.up, forward=o.forward,
-                               subject_regex=o.subject_regex, rig_name=o.rig_name,
-                               reference_pose=o.reference_pose, log=log)
+  try:
+    summary = conversion.convert(o.bvh, o.rig, shards, split=split, split_file=split_file,
+                                 fps=o.fps, units=units, up=o.up, forward=o.forward,
+                                 subject_regex=o.subject_regex, rig_name=o.rig_name,
+                                 reference_pose=o.reference_pose, log=log)
+  except ConversionError as e:  # conversion's advice names bvh_to_shards' --split values
+    if split == 'auto' and split_file is None and 'is not in split' in str(e):
+      raise ConversionError(str(e).split('; pass')[0] + f' (joint map {o.rig}\'s committed '
+                            'split): pass --split=subject or --split=file to split your files '
+                            'by subject or by file') from None
+    raise
   log(f'{tag} convert: done in {time.perf_counter() - t:.1f} s ({summary["total_files"]} files, '
       f'frames {summary["frames"]}, rig {summary["rig"]})')
   m.set('convert', status='done', seconds=round(time.perf_counter() - t, 2), outputs=[

@@ -430,6 +430,18 @@ def test_game_engine_rig_is_recovered_by_auto(tmp_path, cmu_dir):
   np.testing.assert_allclose(ds.offsets[0], np.asarray(rig.template_offsets), atol=1e-6)
 
 
+def test_a_joint_map_that_does_not_fit_is_said_before_the_split(tmp_path, cmu_dir):
+  """A file of another rig under a named rig: its joints are the cause, not its name (which
+  the committed split does not list either)."""
+  text = (cmu_dir / '07_01.bvh').read_text().replace('LowerBack', 'Waist')
+  (tmp_path / 'in').mkdir()
+  (tmp_path / 'in' / 'zz_99.bvh').write_text(text)
+  with pytest.raises(ConversionError, match=r'^zz_99.bvh: joint map cmu_body names joints the '
+                     r'BVH does not have: LowerBack$'):
+    conversion.convert(tmp_path / 'in', 'cmu_body', tmp_path / 'out', log=quiet)
+  assert not (tmp_path / 'out').exists()
+
+
 def test_files_of_another_bind_are_warned(tmp_path, cmu_dir):
   """Two subjects' files under one bind convert quietly; a file whose joints carry another
   bind (each frame rolled 90 degrees about its bone: the same motion, other zero-pose bones

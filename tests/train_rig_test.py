@@ -239,6 +239,15 @@ def test_a_failed_stage_is_recorded(tmp_path, cmu_dir):
   assert not (tmp_path / 'w' / 'shards').exists()
 
 
+def test_a_file_outside_the_committed_split_names_train_rig_s_split_rules(tmp_path, cmu_dir):
+  (tmp_path / 'bvh').mkdir()
+  (tmp_path / 'bvh' / 'zz_99.bvh').symlink_to(cmu_dir / '09_03.bvh')
+  o = train_rig.Options(bvh=str(tmp_path / 'bvh'), workdir=str(tmp_path / 'w'), rig='cmu_body')
+  with pytest.raises(ValueError, match=r"^zz_99.bvh is not in split cmu_default \(joint map "
+                     r"cmu_body's committed split\): pass --split=subject or --split=file"):
+    train_rig.run(o, log=lambda m: None)
+
+
 def test_mirror_augmentation_off_for_a_rig_that_is_not_mirror_symmetric(tmp_path):
   """A rig whose natural pose is not mirror-symmetric (its zero pose where it names none:
   another lab's crumpled bind) would stop the training at its first step; train_rig turns
