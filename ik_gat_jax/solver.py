@@ -1206,6 +1206,11 @@ class IKSolver:
     rig = (model.rig if reference_pose is None
            else skeleton.with_reference_pose(model.rig, reference_pose))
     prior = _refine_prior(refine_prior, rig) if refine_iters > 0 else None
+    if refine_iters > 0 and prior is None and str(refine_prior) == 'shipped':
+      warn_caller(f'refine_prior=\'shipped\': the shipped pose prior does not fit rig '
+                  f'{rig.name!r} (another rig, or its joints under another bind), so the '
+                  'refinement runs without a prior (train one for it: experiments.train_prior '
+                  'or train_rig, and pass it as refine_prior / --refine_prior; none is quiet)')
     return cls(model, meta, offsets=offsets, block_size=block_size, source=str(path),
                refine_iters=refine_iters, temporal_filter=temporal_filter, fps=fps,
                refine_prior=prior, mirror=mirror, workers=workers, hold_missing=hold_missing,

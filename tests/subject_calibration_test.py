@@ -339,8 +339,12 @@ def test_the_input_s_reference_pose_gives_its_own_rotations_exactly(cmu_dir, rer
   refined = solver_lib.IKSolver.from_checkpoint(**kw).solve(orig.positions[:10],
                                                             offsets=orig.offsets)
   for prior in (None, 'shipped'):
-    other = solver_lib.IKSolver.from_checkpoint(reference_pose=A, refine_iters=5,
-                                                refine_prior=prior)
+    with (pytest.warns(UserWarning, match='the shipped pose prior does not fit rig') if prior
+          else warnings.catch_warnings()):
+      if prior is None:
+        warnings.simplefilter('error')  # None: asked for, nothing said
+      other = solver_lib.IKSolver.from_checkpoint(reference_pose=A, refine_iters=5,
+                                                  refine_prior=prior)
     assert other._prior is None
     got = other.solve(rr.positions[:10], offsets=rr.offsets)
     assert _angle(np.swapaxes(Ap, -1, -2) @ refined.astype(np.float64) @ A, got) < 5e-3
