@@ -1084,6 +1084,7 @@ class IKSolver:
                                            self.size_normalization)
                          if self.temporal_filter.active else None)
     self._stream_execs = {}  # `_stream_step` compiled ahead, per sparse-input signature
+    getattr(self, '_pending', {}).pop('step filtered', None)  # for the filter before
 
   @property
   def offsets(self) -> np.ndarray:
@@ -1100,6 +1101,7 @@ class IKSolver:
     self._offsets = value
     self._step_exec = None  # so a new subject drops them (compiled again on first use)
     getattr(self, '_stream_execs', {}).pop('own subject', None)
+    self._pending = {}  # `_own_or_none`'s compiles for the subject before: not installed
     if hasattr(self, '_history'):  # a new subject, a new stream (not the constructor's first)
       self.reset()
 
@@ -1410,13 +1412,15 @@ class IKSolver:
                               lambda: self._forward.lower(args[0], *args[1:4], full, *args[4:]),
                               self._one_frame if pos.shape[0] == 1 else self._options)
 
-  def _compiled_in(self) -> tuple[list, np.ndarray, np.ndarray]:
-    """What `step`'s executables on the solver's own subject compile in as constants: the
-    model state's leaves as numpy (`_host_constants`, made once), the subject's float32
-    offsets and bone frames."""
+  def _compiled_in(self, offsets: np.ndarray | None = None
+                   ) -> tuple[list, np.ndarray, np.ndarray]:
+    """What `step`'s executables on the solver's own subject (or `offsets`) compile in as
+    constants: the model state's leaves as numpy (`_host_constants`, made once), the subject's
+    float32 offsets and bone frames."""
     if self._const_leaves is None:
       self._const_leaves = _host_constants(self._leaves)
-    off, B = (np.asarray(a) for a in self._device_subject(self.offsets)[:2])
+    subject = self.offsets if offsets is None else offsets
+    off, B = (np.asarray(a) for a in self._device_subject(subject)[:2])
     return self._const_leaves, off, B
 
   def _default_step(self):
@@ -1427,19 +1431,99 @@ class IKSolver:
     the subject as arguments took 0.05 ms of a 0.30 ms live frame (BENCHMARKS.md, issue N,
     session 30); the outputs are bit for bit the same. One copy of the weights in this
     executable; the clip path's buckets take them as arguments (big models, many buckets)."""
-    if self._step_exec is not None:
-      return self._step_exec
-    leaves, off, B = self._compiled_in()
-    x = np.zeros((1, self.rig.num_joints, 3), np.float32)
-    forward = self._forward
-    step = jax.jit(lambda p: forward(leaves, p, off, B, False)['local_rot'][0])
-    signature = ('step', _constants_digest((leaves, off, B)))
-    self._step_exec = self._compiled_for(signature, (x,), lambda: step.lower(x),
-                                         self._one_frame)
+    if self._step_exec is None:
+      self._step_exec = self._own_exe('step', self._offsets)
     return self._step_exec
 
+  def _own_exe(self, kind: str, offsets: np.ndarray, compile: bool = True):
+    """`step`'s executable of `kind` for the subject `offsets`, compiled in: 'step' (the frame
+    alone, `_default_step`) or 'step filtered' (the temporal filter's state and the frame,
+    `_step_filtered_own`); not installed. `compile=False`: None unless the process or the
+    executable cache holds it already."""
+    leaves, off, B = self._compiled_in(offsets)
+    x = np.zeros((1, self.rig.num_joints, 3), np.float32)
+    digest = _constants_digest((leaves, off, B))
+    if kind == 'step':
+      forward = self._forward
+      step = jax.jit(lambda p: forward(leaves, p, off, B, False)['local_rot'][0])
+      return self._compiled_for(('step', digest), (x,), lambda: step.lower(x), self._one_frame,
+                                compile)
+    stream_step, fstate = self._stream_step, temporal.init_state(self.rig.num_joints)
+    return self._compiled_for(
+        ('step filtered', digest, repr(self.temporal_filter), self._fps), (fstate, x),
+        lambda: jax.jit(lambda fs, p: stream_step(leaves, fs, p, off, B)).lower(fstate, x),
+        self._one_frame, compile)
+
+  def _any_exe(self, kind: str, compile: bool = True):
+    """`step`'s executable of `kind` ('step' or 'step filtered') taking any subject as
+    arguments, for one frame without sparse inputs (`_step_any`, `_filtered_any`); with
+    `compile=False`, None unless compiled or cached already."""
+    off, B = self._device_subject(self.offsets)[:2]
+    x = np.zeros((1, self.rig.num_joints, 3), np.float32)
+    if kind == 'step':
+      return self._step_any((x, off, B, None), compile)
+    fstate = temporal.init_state(self.rig.num_joints)
+    return self._filtered_any((fstate, x, off, B, None), None, compile)
+
+  def _own_or_none(self, kind: str):
+    """`step`'s own-subject executable of `kind` ('step', or 'step filtered' with a temporal
+    filter) when ready; None while it compiles in a background thread, which it does when a
+    program taking any subject is compiled already (`warm_up`, or a `step(offsets=...)`): the
+    frames of a new subject then run on that one (about 0.5 ms instead of 0.3 on two cores)
+    instead of waiting seconds for their own program. Otherwise compiled here, as before."""
+    have = self._step_exec if kind == 'step' else self._stream_execs.get('own subject')
+    if have is not None:
+      return have
+    pending = self._pending.get(kind)
+    if pending is not None and pending.is_alive():
+      return None
+    target, execs = self._offsets, self._stream_execs
+    exe = self._own_exe(kind, target, compile=False)
+    if exe is None and pending is None and self._any_exe(kind, compile=False) is not None:
+
+      def work():
+        try:
+          self._install(kind, target, execs, self._own_exe(kind, target))
+        except Exception:  # pylint: disable=broad-except  (the foreground compiles it and says)
+          pass
+
+      self._pending[kind] = threading.Thread(target=work, daemon=True,
+                                             name=f'ik_gat_jax {kind} compile')
+      self._pending[kind].start()
+      return None
+    exe = exe or self._own_exe(kind, target)  # a failed background compile: here, raising
+    self._install(kind, target, execs, exe)
+    return exe
+
+  def _install(self, kind: str, target: np.ndarray, execs: dict, exe) -> None:
+    """Makes `exe` the own-subject executable of `kind` unless the subject (or, for the
+    filtered one, the filter) changed since it was asked for."""
+    if self._offsets is not target:
+      return
+    if kind == 'step':
+      self._step_exec = exe
+    elif self._stream_execs is execs:
+      execs['own subject'] = exe
+    self._pending.pop(kind, None)
+
+  def _wait_for_compiles(self) -> None:
+    """Joins the background compiles of `_own_or_none` (before timing `step`)."""
+    for t in list(self._pending.values()):
+      t.join()
+
+  def warm_up(self) -> None:
+    """Compiles (or loads from the caches) what a live stream's `step` runs, before its first
+    frame: the program for the solver's own subject and one that takes any subject, with the
+    temporal filter where one is set. Afterwards a new subject (assigned `offsets`, or a new
+    solver of the process with its own) does not stall: its first frames run on the second
+    while its own compiles in a background thread (README, "One stream per solver")."""
+    kind = 'step' if self._stream_step is None else 'step filtered'
+    self._any_exe(kind)
+    self._own_or_none(kind)
+    self._wait_for_compiles()
+
   def _compiled_for(self, signature: tuple, args: tuple, lower: Callable[[], Any],
-                    options: dict | None):
+                    options: dict | None, compile: bool = True):
     """`lower().compile(options)` for `args`, once per `signature` and process (`options`: XLA's,
     a function of the signature: `_options`, or `_one_frame` for one frame). Once the command line
     turned its caches on (`compile_cache.executables_dir()`), a signature compiled by an earlier
@@ -1447,7 +1531,7 @@ class IKSolver:
     solve); its entry's name hashes the model's graph definition and state shapes, the
     refinement, the block size of the forward, the signature (`step`'s: a digest of what it
     compiles in) and every argument's shape and dtype (compile_cache.py adds the code,
-    versions, devices, CPU and flags)."""
+    versions, devices, CPU and flags). `compile=False`: None where nothing holds it yet."""
     exe = self._executables.get(signature)
     if exe is not None:
       return exe
@@ -1470,6 +1554,8 @@ class IKSolver:
     if exe is None:
       on_disk = compile_cache.executables_dir() is not None
       exe = compile_cache.load_executable(key) if on_disk else None
+      if exe is None and not compile:
+        return None
       if exe is None:
         exe = compile_cache.compile_for_entry(key if on_disk else None, lower, args, options)
       # What it compiles in: `step`'s executables hold the model's state (`_compiled_in`).
@@ -1749,7 +1835,10 @@ class IKSolver:
     self._step_pos = pos
     if offsets is None and sparse is None and self._history is None:  # the common live frame
       if self._stream_step is None:  # one argument, one call
-        return np.asarray(self._default_step()(np.asarray(pos, np.float32)))
+        exe = self._own_or_none('step')
+        if exe is None:  # a new subject's own program compiling: any subject's meanwhile
+          return self._step_forward(pos, self._device_subject(self.offsets))
+        return np.asarray(exe(np.asarray(pos, np.float32)))
       return self._step_filtered_own(np.asarray(pos, np.float32))
     off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
     subject = self._device_subject(off)
@@ -1768,36 +1857,40 @@ class IKSolver:
     args = (fstate, np.asarray(pos, np.float32), subject[0], subject[1], sparse)
     key = None if sparse is None else tuple((k, v.shape, v.dtype.str)
                                             for k, v in sorted(sparse.items()))
-    exe = self._stream_execs.get(key)
-    if exe is None:  # the model's state compiled in, as in `_step_any`
-      if self._leaves_digest is None:
-        self._leaves_digest = _constants_digest(self._compiled_in()[0])
-      stream_step = self._stream_step
-
-      def lower():  # on a miss only (`_compiled_for`: shared by the process's solvers)
-        leaves = self._compiled_in()[0]
-        return jax.jit(lambda fs, p, o, b, sp: stream_step(leaves, fs, p, o, b, sp)).lower(*args)
-
-      exe = self._stream_execs[key] = self._compiled_for(
-          ('step filtered any subject', self._leaves_digest, repr(self.temporal_filter),
-           self._fps, key), args, lower, self._one_frame)
+    exe = self._stream_execs.get(key) or self._filtered_any(args, key)
     self._filter_state, out = exe(*args)
     return np.asarray(out)
+
+  def _filtered_any(self, args: tuple, key, compile: bool = True):
+    """`_step_filtered`'s executable for `args` (filter state, frame, offsets, B, sparse
+    inputs; `key` their signature), the model's state compiled in as in `_step_any`; kept per
+    signature; with `compile=False`, None unless compiled or cached already."""
+    exe = self._stream_execs.get(key)
+    if exe is not None:
+      return exe
+    if self._leaves_digest is None:
+      self._leaves_digest = _constants_digest(self._compiled_in()[0])
+    stream_step = self._stream_step
+
+    def lower():  # on a miss only (`_compiled_for`: shared by the process's solvers)
+      leaves = self._compiled_in()[0]
+      return jax.jit(lambda fs, p, o, b, sp: stream_step(leaves, fs, p, o, b, sp)).lower(*args)
+
+    exe = self._compiled_for(
+        ('step filtered any subject', self._leaves_digest, repr(self.temporal_filter),
+         self._fps, key), args, lower, self._one_frame, compile)
+    if exe is not None:
+      self._stream_execs[key] = exe
+    return exe
 
   def _step_filtered_own(self, x: np.ndarray) -> np.ndarray:
     """`_step_filtered` on the solver's own subject, no sparse input: the model's state and
     the subject compiled in as constants (`_default_step`), so a call passes the filter state
     and the frame."""
-    exe = self._stream_execs.get('own subject')  # dropped by a new filter or subject
+    exe = self._own_or_none('step filtered')  # dropped by a new filter or subject
+    if exe is None:  # a new subject's own program compiling: any subject's meanwhile
+      return self._step_filtered(x, self._device_subject(self.offsets))
     fstate = self._filter_state or temporal.init_state(self.rig.num_joints)
-    if exe is None:
-      (leaves, off, B), stream_step = self._compiled_in(), self._stream_step
-      exe = self._compiled_for(
-          ('step filtered', _constants_digest((leaves, off, B)), repr(self.temporal_filter),
-           self._fps), (fstate, x),
-          lambda: jax.jit(lambda fs, p: stream_step(leaves, fs, p, off, B)).lower(fstate, x),
-          self._one_frame)
-      self._stream_execs['own subject'] = exe
     self._filter_state, out = exe(fstate, x)
     return np.asarray(out)
 
@@ -1811,7 +1904,7 @@ class IKSolver:
     args = (np.asarray(pos, np.float32), off, B, _numpy_inputs(sparse))
     return np.asarray(self._step_any(args)(*args))
 
-  def _step_any(self, args: tuple):
+  def _step_any(self, args: tuple, compile: bool = True):
     """`step`'s executable for `args` = (one frame `[1, J, 3]`, offsets, B, sparse inputs or
     None) -> local `[J, 3, 3]`: the model's state compiled in as constants, as in
     `_default_step`, the subject and sparse inputs as arguments; once per sparse-input
@@ -1830,7 +1923,7 @@ class IKSolver:
       return jax.jit(lambda p, o, b, s: forward(leaves, p, o, b, False, s)['local_rot'][0]
                      ).lower(*args)
 
-    return self._compiled_for(signature, args, lower, self._one_frame)
+    return self._compiled_for(signature, args, lower, self._one_frame, compile)
 
   def solve_stream(self, frames: Iterable, offsets=None, *, mask=None,
                    units: str | float | None = None,
@@ -1900,6 +1993,8 @@ class IKSolver:
     checked, last = self._stream_checked, self._step_pos
     for _ in range(warmup):
       self.step(frame)
+    self._wait_for_compiles()  # a background compile (`_own_or_none`) is not what is timed
+    self.step(frame)  # on the program it installed
     times = []
     for _ in range(n):
       t = time.perf_counter()

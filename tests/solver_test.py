@@ -928,6 +928,38 @@ def test_a_checkpoint_for_another_rig_or_bind(tmp_path_factory):
     IKSolver.from_checkpoint(ckpt, expected_rig=cmu)
 
 
+@pytest.mark.parametrize('filtered', [False, True])
+def test_a_new_subject_runs_at_once_while_its_own_step_compiles(tmp_path_factory, filtered):
+  """After `warm_up`, a new subject's first frames run on the program taking any subject while
+  its own compiles in a background thread, then on its own: the same answers as a clip's (with
+  a temporal filter too: one stream, carried across the switch). A compile for a subject
+  assigned over since is not installed."""
+  from ik_gat_jax import temporal  # pylint: disable=import-outside-toplevel
+  kind = 'step filtered' if filtered else 'step'
+  solver = IKSolver.from_checkpoint(
+      tiny_checkpoint(tmp_path_factory),
+      temporal_filter=temporal.FilterConfig('one_euro', min_cutoff=2.0, beta=0.5) if filtered
+      else None)
+  solver.warm_up()
+  own = lambda: solver._step_exec if kind == 'step' else solver._stream_execs.get(  # noqa: E731
+      'own subject')
+  assert own() is not None and not solver._pending
+  other = solver.offsets * (1.0731 + 0.0106 * filtered)  # a subject no test compiled before
+  frames = posed_clip(solver.rig, other, T=4, seed=12)
+  want = solver.solve(frames, offsets=other)
+  solver.offsets = other
+  got = [solver.step(frames[0])]
+  assert own() is None and kind in solver._pending  # compiling in the background
+  solver._wait_for_compiles()
+  assert own() is not None and kind not in solver._pending
+  got += [solver.step(f) for f in frames[1:]]
+  np.testing.assert_allclose(np.stack(got), want, atol=1e-5)
+  stale, execs = solver._offsets, solver._stream_execs
+  solver.offsets = other * 1.05
+  solver._install(kind, stale, execs, object())  # the subject before's, finished late
+  assert own() is None
+
+
 def test_fps_and_offsets_set_start_a_new_stream(tmp_path_factory):
   """Setting `fps` or new `offsets` starts a new stream, as `reset()` does: the held joints
   (and the subject calibration's sums) of the frames before are forgotten."""
