@@ -83,6 +83,24 @@ def noise_levels(values) -> list[float]:
     raise ValueError(f'--noise_mm: {list(values)} are not numbers') from None
 
 
+def checkpoint_noise_main(run, table, what: str, **solver_options) -> None:
+  """The body of a main of `define_checkpoint_noise_flags`: the --split of --data, the
+  --checkpoint's solver on it (`solver_options` to `IKSolver.from_checkpoint`), `run(ds,
+  solver, noise levels)`, its `table(results)` printed under a line saying `what`, and
+  --output_json written (`write_noise_results`)."""
+  from ik_gat_jax import data  # pylint: disable=import-outside-toplevel  (JAX: when it runs)
+  from ik_gat_jax.solver import IKSolver  # pylint: disable=import-outside-toplevel
+  F = flags.FLAGS
+  noise = noise_levels(F.noise_mm)
+  ds = data.load_shards(F.data, F.split)
+  solver = IKSolver.from_checkpoint(F.checkpoint, expected_rig=ds.rig, **solver_options)
+  results = run(ds, solver, noise)
+  print(f'{ds.split} split, {solver.source}: {what}')
+  print(table(results))
+  if F.output_json:
+    write_noise_results(F.output_json, ds, solver, results)
+
+
 def write_noise_results(path: str, ds, solver, results: dict, **fields) -> None:
   """Writes `{noise: ...}` results of `solver` on the split `ds` as one JSON, atomically, with
   `fields`, the command line and the data's provenance; says where."""

@@ -21,9 +21,9 @@ import numpy as np
 from absl import app, flags
 
 from experiments import common
-from experiments.common import (define_checkpoint_noise_flags, fail_on_user_error,
-                                noise_levels, write_noise_results)
-from ik_gat_jax import data, evaluation, input_pipeline, metrics
+from experiments.common import (checkpoint_noise_main, define_checkpoint_noise_flags,
+                                fail_on_user_error)
+from ik_gat_jax import evaluation, input_pipeline, metrics
 from ik_gat_jax.solver import IKSolver
 
 
@@ -82,16 +82,9 @@ def table(results: dict) -> str:
 @fail_on_user_error
 def main(argv):
   del argv
-  F = flags.FLAGS
-  noise = noise_levels(F.noise_mm)
-  ds = data.load_shards(F.data, F.split)
   # The network as trained, as experiments.evaluate measures it (its rows are compared).
-  solver = IKSolver.from_checkpoint(F.checkpoint, expected_rig=ds.rig, size_normalization=False)
-  results = run(ds, solver, noise)
-  print(f'{ds.split} split, {solver.source}: the rest offsets the solver is given')
-  print(table(results))
-  if F.output_json:
-    write_noise_results(F.output_json, ds, solver, results)
+  checkpoint_noise_main(run, table, 'the rest offsets the solver is given',
+                        size_normalization=False)
 
 
 if __name__ == '__main__':
