@@ -33,8 +33,8 @@ refused unless `overwrite`):
   the leaf's bone, at least 2 cm). Lengths in `units` metres per file unit (a number or a
   `units.UNITS` name: 'cm', the default, 'm', 'inch', ...). `solve` passes a BVH input's own
   orders and units (`PositionsFile.bvh_orders`, `bvh_units_m`), and its End Sites where the
-  output stands on its offsets (`PositionsFile.end_site_offsets`). Blender: File > Import > BVH with Scale = metres
-  per unit (0.01 for centimetres), forward Z, up Y.
+  output stands on its offsets (`PositionsFile.end_site_offsets`). Blender: File > Import >
+  BVH with Scale = metres per unit (0.01 for centimetres), forward Z, up Y.
 - SMPL npz (rig `smpl22` only): the fields of `io.smpl.smpl_arrays` (that module's docstring):
   `poses [T, 66]` axis-angle of the 22 local rotations (root orientation first), `trans`, ...;
   in the rig's y-up world (the SMPL model's frame) by default, or AMASS's with `world='amass'`.
@@ -164,9 +164,9 @@ class PositionsFile:
   metres (a BVH read at its units; its axes are still the file's: `--input_axes` applies);
   end_sites: `[T, E, 3]` the rig leaves' End Sites of a BVH that has them (metres, rig axes,
   NaN = none; issue G2), else None; end_site_offsets: `[E, 3]` the same in each leaf's own frame
-  (`retarget.end_site_offsets`: what an output BVH on the file's offsets writes). A BVH also gives bvh_orders: per rig joint the rotation
-  channel order of its source joint (`source_rotation_orders`), bvh_units_m: metres per
-  file unit it was read in, and reference: `[J, 3, 3]` the world frames (rig world) of its
+  (`retarget.end_site_offsets`: what an output BVH on the file's offsets writes). A BVH also
+  gives bvh_orders: per rig joint the rotation channel order of its source joint
+  (`source_rotation_orders`), bvh_units_m: metres per file unit it was read in, and reference: `[J, 3, 3]` the world frames (rig world) of its
   joints in the rig's natural pose where its joint map names one (`reference_pose`: its zero
   pose is another pose; `skeleton.with_reference_pose`), else None; None otherwise;
   first_dropped: the name of the joint map that left the file's first frame out (its T-pose
