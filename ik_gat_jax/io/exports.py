@@ -162,15 +162,15 @@ class PositionsFile:
   """What a reader found. positions: `[T, J, 3]` (input units and axes unless `metres_rig`);
   offsets: `[J, 3]` in the positions' units and axes, or None; fps or None; metres_rig: already
   metres (a BVH read at its units; its axes are still the file's: `--input_axes` applies);
-  end_sites: `[T, E, 3]` the rig leaves' End Sites of a BVH that has them (metres, rig axes,
-  NaN = none; issue G2), else None; end_site_offsets: `[E, 3]` the same in each leaf's own frame
-  (`retarget.end_site_offsets`: what an output BVH on the file's offsets writes). A BVH also
-  gives bvh_orders: per rig joint the rotation channel order of its source joint
-  (`source_rotation_orders`), bvh_units_m: metres per file unit it was read in, and reference: `[J, 3, 3]` the world frames (rig world) of its
-  joints in the rig's natural pose where its joint map names one (`reference_pose`: its zero
-  pose is another pose; `skeleton.with_reference_pose`), else None; None otherwise;
-  first_dropped: the name of the joint map that left the file's first frame out (its T-pose
-  frame: cgspeed CMU), else None."""
+  end_sites: `[T, E, 3]` the rig leaves' End Sites of a BVH that has them (metres, rig axes, NaN =
+  none; issue G2), else None; end_site_offsets: `[E, 3]` the same in each leaf's own frame
+  (`retarget.end_site_offsets`: what an output BVH on the file's offsets writes). A BVH also gives
+  bvh_orders: per rig joint the rotation channel order of its source joint
+  (`source_rotation_orders`), bvh_units_m: metres per file unit it was read in, and reference:
+  `[J, 3, 3]` the world frames (rig world) of its joints in the rig's natural pose where its joint
+  map names one (`reference_pose`: its zero pose is another pose; `skeleton.with_reference_pose`),
+  else None; None otherwise; first_dropped: the name of the joint map that left the file's first
+  frame out (its T-pose frame: cgspeed CMU), else None."""
   positions: np.ndarray
   offsets: np.ndarray | None = None
   fps: float | None = None
