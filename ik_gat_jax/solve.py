@@ -15,7 +15,8 @@ its joint map or --reference_pose names a natural pose other than the rig's, its
 in it make the rotations the file's own: `skeleton.with_reference_pose`). Output
 by extension: .bvh (the rig with the subject's offsets, animated, in the rig's joint names; for
 a BVH input in its units and, per joint, the rotation channel order of the source joint it maps
-from (ZYX for a joint without one) and with its leaves' End Sites where it has its offsets, else
+from (ZYX for a joint without one) and, where it has its offsets, with its leaves' End Sites
+and its constant-rotation joints the rig left out written back (its hierarchy), else
 centimetres, ZYX and End Sites along the leaves; --bvh_units=cm|m|inch|NUMBER sets the units;
 the root's OFFSET 0, the angles continuous over frames), .npz (rotations, FK
 positions, offsets and whose: `offsets_source`; `input_missing` where joints were NaN),
@@ -285,17 +286,19 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
 
 
 def _bvh_output(source, bvh_units: str | float | None, rig, own_offsets: bool
-                ) -> tuple[float, tuple[str, ...], np.ndarray | None]:
-  """(metres per file unit, rotation order per rig joint, End Sites) of an output BVH:
-  `bvh_units`, else a BVH input's own units, else cm; a BVH input's orders
-  (`PositionsFile.bvh_orders`), else ZYX; a BVH input's End Sites where the output stands on
-  its offsets (`own_offsets`; `PositionsFile.end_site_offsets`), else None (the writer's)."""
+                ) -> tuple[float, tuple[str, ...], np.ndarray | None, tuple | None]:
+  """(metres per file unit, rotation order per rig joint, End Sites, removed joints) of an
+  output BVH: `bvh_units`, else a BVH input's own units, else cm; a BVH input's orders
+  (`PositionsFile.bvh_orders`), else ZYX; a BVH input's End Sites and the joints its reduction
+  removed where the output stands on its offsets (`own_offsets`; `PositionsFile.
+  end_site_offsets`, `bvh_removed`), else None (the writer's End Sites, the rig's joints)."""
   if bvh_units is None and source.bvh_units_m is not None:
     units_m = source.bvh_units_m
   else:
     units_m = exports.bvh_metres_per_unit(bvh_units)
   return (units_m, exports.check_rotation_orders(source.bvh_orders, rig),
-          source.end_site_offsets if own_offsets else None)
+          source.end_site_offsets if own_offsets else None,
+          source.bvh_removed if own_offsets else None)
 
 
 def _describe_orders(orders) -> str:
@@ -347,9 +350,9 @@ def _write_main(kind, path, sol, rig, fps, bvh_out, smpl_world, solver, record: 
   `up` and `forward` (the rig's axes) and `input_missing [T, J]` where `missing` (the input's
   NaN joints, held or masked in the solution's `positions`) has any."""
   if kind == 'bvh':
-    units_m, orders, end_sites = bvh_out
+    units_m, orders, end_sites, removed = bvh_out
     exports.write_solution_bvh(path, sol, rig, fps, units=units_m, orders=orders,
-                               end_sites=end_sites)
+                               end_sites=end_sites, removed=removed)
   elif kind == 'smpl':
     exports.write_smpl_npz(path, sol, rig, fps, world=smpl_world)
   elif kind == 'glb':

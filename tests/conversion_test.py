@@ -430,6 +430,41 @@ def test_game_engine_rig_is_recovered_by_auto(tmp_path, cmu_dir):
   np.testing.assert_allclose(ds.offsets[0], np.asarray(rig.template_offsets), atol=1e-6)
 
 
+def test_removed_joints_are_written_back_as_the_input_had_them(tmp_path, cmu_dir):
+  """A BVH reduced to the rig and written on its own offsets with its removed joints
+  (`PositionsFile.bvh_removed`) is the input again, less its pruned fingers: the same joints,
+  parents and offsets, and every kept joint's local rotation and position the input's; here
+  with a clavicle held at a constant turn that is not the identity (another lab's rig)."""
+  m = bvh.read_bvh(cmu_dir / '07_01.bvh')
+  m = dataclasses.replace(m, motion=m.motion[:12].copy())
+  j = m.names.index('LeftShoulder')
+  col = sum(len(joint.channels) for joint in m.joints[:j])
+  m.motion[:, col:col + 3] = [25.0, -10.0, 5.0]  # its ZYX angles, every frame
+  bvh.write_bvh(tmp_path / 'in.bvh', m, precision=None)
+  rig = skeleton.cmu_body()
+  motion = bvh.read_bvh(tmp_path / 'in.bvh')
+  jmap = exports.bvh_joint_map(motion, rig)
+  plan, out, _, p, _ = retarget.convert_motion(motion, jmap, np.eye(3), 120.0, rig.joint_names,
+                                                rig.parents)
+  removed = exports.removed_joints(motion, out)
+  assert [c[0] for c in removed[rig.joint_names.index('LeftArm')][0]] == ['LeftShoulder']
+  back = exports.solution_bvh(out.local_rot, p[:, 0], out.offsets, rig, 120.0, units='cmu',
+                              orders=exports.source_rotation_orders(motion, jmap, rig),
+                              removed=removed)
+  fingers = {'LeftFingerBase', 'LeftHandIndex1', 'LThumb', 'RightFingerBase', 'RightHandIndex1',
+             'RThumb'}
+  assert set(back.names) == set(motion.names) - fingers
+  src = [motion.names.index(n) for n in back.names]
+  assert [back.names[q] if q >= 0 else None for q in back.parents] == [
+      motion.names[motion.parents[i]] if motion.parents[i] >= 0 else None for i in src]
+  np.testing.assert_allclose(back.offsets[1:], motion.offsets[src][1:], rtol=1e-8, atol=1e-12)
+  # In the file's units (its 6 decimals of angles and positions, float64 elsewhere).
+  np.testing.assert_allclose(bvh.naive_fk_np(back, 1.0), bvh.naive_fk_np(motion, 1.0)[:, src],
+                             atol=1e-6)
+  np.testing.assert_allclose(retarget.source_local_rotations(back),
+                             retarget.source_local_rotations(motion)[:, src], atol=1e-6)
+
+
 def test_a_joint_map_that_does_not_fit_is_said_before_the_split(tmp_path, cmu_dir):
   """A file of another rig under a named rig: its joints are the cause, not its name (which
   the committed split does not list either)."""

@@ -327,17 +327,20 @@ def test_bvh_output_keeps_the_input_names_orders_and_units(ckpt, cmu_dir, tmp_pa
     names, R, fk = [str(n) for n in z['joint_names']], z['local_rot'], z['positions_fk']
     offsets, parents = z['offsets'].astype(np.float64), [int(p) for p in z['parents']]
   out, cm = bvh.read_bvh(tmp_path / 'out.bvh'), bvh.read_bvh(tmp_path / 'cm.bvh')
-  assert out.num_frames == 40 and set(out.names) == set(names)  # cgspeed's T-pose frame dropped
-  col = [out.names.index(n) for n in names]
+  # The input's hierarchy: the rig's joints and the four cmu_body removed (constant rotations,
+  # written back), less the fingers it pruned; cgspeed's T-pose frame dropped.
+  fingers = {'LeftFingerBase', 'LeftHandIndex1', 'LThumb', 'RightFingerBase', 'RightHandIndex1',
+             'RThumb'}
+  assert out.num_frames == 40 and set(out.names) == set(src.names) - fingers
+  assert set(names) < set(out.names)
   index = {n: i for i, n in enumerate(src.names)}
-  for j, n in enumerate(names):
-    assert out.euler_order(col[j]) == cm.euler_order(col[j]) == src.euler_order(index[n]), n
-  # Offsets in the input's units: joints whose source parent is the rig parent (not folded).
-  kept = [j for j, n in enumerate(names) if parents[j] >= 0 and
-          src.joints[index[n]].parent == index[names[parents[j]]]]
-  assert len(kept) >= 15
-  got, want = out.offsets[col][kept], src.offsets[[index[names[j]] for j in kept]]
-  assert (np.linalg.norm(got - want, axis=-1) <= 1e-6 * np.linalg.norm(want, axis=-1)).all()
+  for i, n in enumerate(out.names):
+    assert out.euler_order(i) == cm.euler_order(i) == src.euler_order(index[n]), n
+    if i:  # every joint's parent and OFFSET the input's, in its units (the root's: 0 0 0)
+      assert out.names[out.parents[i]] == src.names[src.parents[index[n]]], n
+      want = src.offsets[index[n]]
+      assert np.linalg.norm(out.offsets[i] - want) <= 1e-6 * np.linalg.norm(want) + 1e-12, n
+  col = [out.names.index(n) for n in names]
   # Both files' OFFSETs carry 9 significant digits (a float32's; exports.solution_bvh): each
   # within 5e-9 of the same metres, relative.
   np.testing.assert_allclose(cm.offsets * 0.01, out.offsets * inch, rtol=1e-8, atol=1e-15)

@@ -177,6 +177,7 @@ class PositionsFile:
   metres_rig: bool = False
   end_sites: np.ndarray | None = None
   end_site_offsets: np.ndarray | None = None
+  bvh_removed: tuple | None = None
   bvh_orders: tuple[str, ...] | None = None
   bvh_units_m: float | None = None
   reference: np.ndarray | None = None
@@ -413,9 +414,26 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
   return PositionsFile(p, out.offsets, fps or rate, metres_rig=True,
                        end_sites=retarget.end_sites_world(out, G, p, rig.parents),
                        end_site_offsets=retarget.end_site_offsets(out),
+                       bvh_removed=removed_joints(motion, out),
                        bvh_orders=source_rotation_orders(motion, jmap, rig),
                        bvh_units_m=jmap.units, reference=F,
                        first_dropped=jmap.name if first else None)
+
+
+def removed_joints(motion: bvh.BVHMotion, reduced: retarget.ReducedMotion) -> tuple | None:
+  """Per rig joint, the file's joints the reduction removed between it and its rig parent,
+  top-down, each `(name, offset [3] metres, constant rotation [3, 3], rotation order)` in the
+  rig's axes, and the rig joint's own offset in the file (`ReducedMotion.removed`); None when
+  the file had none (what `solution_bvh` writes back: the file's own hierarchy)."""
+  if reduced.removed is None or not any(chain for chain, *_ in reduced.removed[1:]):
+    return None
+
+  def order(j: int) -> str:
+    o = motion.euler_order(j)
+    return o if sorted(o) == ['X', 'Y', 'Z'] else DEFAULT_BVH_ORDER
+
+  return ((),) + tuple((tuple((motion.names[j], off, C, order(j)) for j, off, C in chain), own)
+                       for chain, own in reduced.removed[1:])
 
 
 def source_rotation_orders(motion: bvh.BVHMotion, jmap, rig: Rig) -> tuple[str, ...]:
@@ -534,13 +552,17 @@ def check_rotation_orders(orders: Sequence[str] | None, rig: Rig) -> tuple[str, 
 def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarray, rig: Rig,
                  fps: float, units: str | float = DEFAULT_BVH_UNITS,
                  orders: Sequence[str] | None = None,
-                 end_sites: np.ndarray | None = None) -> bvh.BVHMotion:
+                 end_sites: np.ndarray | None = None,
+                 removed: tuple | None = None) -> bvh.BVHMotion:
   """The rig animated by `local_rot [T, J, 3, 3]`, root at `root_pos [T, 3]` (metres), on
   `offsets [J, 3]` (metres), in `units` (metres per file unit or a name: 'cm', 'm', 'inch',
   ...), joint j's rotation channels in `orders[j]` (rig order, e.g. 'XZY'; default ZYX).
   `end_sites [E, 3]`: each rig leaf's End Site (`rig.leaves` order, metres, in the leaf's own
   frame; an input BVH's `PositionsFile.end_site_offsets`); a NaN row, or None, gets the
-  writer's own: half the leaf's bone along its rest direction, at least 2 cm.
+  writer's own: half the leaf's bone along its rest direction, at least 2 cm. `removed`: an
+  input BVH's joints its reduction removed (`PositionsFile.bvh_removed`, on the input's own
+  offsets): written back between their rig joints with their constant rotations, so the file
+  has the input's hierarchy (less its pruned subtrees) and its joints the input's rotations.
 
   The root's OFFSET is 0 0 0 and its position channels its world position: readers that add
   the root's OFFSET to them (three.js's BVHLoader) and those that do not (Blender, Assimp, this
@@ -548,21 +570,46 @@ def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarra
   so a tool that interpolates channels does not spin a joint between frames."""
   k = 1.0 / bvh_metres_per_unit(units)
   orders = check_rotation_orders(orders, rig)
-  order = depth_first_order(rig.parents)
-  pos_in_file = {j: i for i, j in enumerate(order)}
+  local_rot = np.asarray(local_rot)
+  T = local_rot.shape[0]
   ends = _end_sites(offsets, rig, end_sites)
-  joints = []
-  for j in order:
+  # Output nodes: ('rig', j) for the rig's joints, ('src', name) for removed ones written back.
+  parent, kids = {}, {}
+  spec = {}  # node -> (name, offset metres or None, rotations [T, 3, 3], order, End Site)
+  for j in depth_first_order(rig.parents):
     p = rig.parents[j]
-    channels = ((bvh.POSITION_CHANNELS if p < 0 else ()) +
-                tuple(f'{axis}rotation' for axis in orders[j]))
-    joints.append(bvh.BVHJoint(name=rig.joint_names[j], parent=pos_in_file[p] if p >= 0 else -1,
-                               offset=(np.zeros(3) if p < 0 else  # the channels say it all
-                                       _float32_digits(np.asarray(offsets[j], np.float64) * k)),
-                               channels=channels,
-                               end_site=None if ends[j] is None else _float32_digits(ends[j] * k)))
-  angles = continuous_euler(euler_degrees_per_joint(np.asarray(local_rot)[:, order],
-                                                   [orders[j] for j in order]))  # [T, J, 3]
+    chain, own = (removed[j] if removed is not None and j > 0 else ((), None))
+    above, C = ('rig', p) if p >= 0 else None, np.eye(3)
+    for name, off, Cj, order in chain:
+      node = ('src', name)
+      if node not in spec:
+        parent[node] = above
+        kids.setdefault(above, []).append(node)
+        spec[node] = (name, np.asarray(off, np.float64), np.broadcast_to(Cj, (T, 3, 3)), order,
+                      None)
+      above, C = node, C @ np.asarray(Cj, np.float64)
+    parent[('rig', j)] = above
+    kids.setdefault(above, []).append(('rig', j))
+    R = local_rot[:, j] if not chain else np.swapaxes(C, -1, -2) @ local_rot[:, j]
+    off = (None if p < 0 else np.asarray(own if chain else offsets[j], np.float64))
+    spec[('rig', j)] = (rig.joint_names[j], off, R, orders[j], ends[j])
+  nodes, stack = [], [('rig', 0)]
+  while stack:  # depth first: every node's subtree contiguous
+    node = stack.pop()
+    nodes.append(node)
+    stack.extend(reversed(kids.get(node, [])))
+  index = {node: i for i, node in enumerate(nodes)}
+  joints = []
+  for node in nodes:
+    name, off, _, order, end = spec[node]
+    channels = ((bvh.POSITION_CHANNELS if parent[node] is None else ()) +
+                tuple(f'{axis}rotation' for axis in order))
+    joints.append(bvh.BVHJoint(
+        name=name, parent=-1 if parent[node] is None else index[parent[node]],
+        offset=np.zeros(3) if off is None else _float32_digits(off * k),  # root: channels say it
+        channels=channels, end_site=None if end is None else _float32_digits(end * k)))
+  R = np.stack([np.asarray(spec[node][2], np.float64) for node in nodes], axis=1)
+  angles = continuous_euler(euler_degrees_per_joint(R, [spec[node][3] for node in nodes]))
   motion = np.concatenate([np.asarray(root_pos, np.float64) * k,
                            angles.reshape(len(angles), -1)], axis=1)
   return bvh.BVHMotion(joints=joints, frame_time=1.0 / fps, motion=motion)
@@ -598,12 +645,13 @@ def _end_sites(offsets: np.ndarray, rig: Rig,
 def write_solution_bvh(path: str | os.PathLike, sol, rig: Rig, fps: float,
                        units: str | float = DEFAULT_BVH_UNITS, overwrite: bool = True,
                        orders: Sequence[str] | None = None,
-                       end_sites: np.ndarray | None = None) -> None:
+                       end_sites: np.ndarray | None = None,
+                       removed: tuple | None = None) -> None:
   """`solution_bvh` of a `solver.Solution` (units, per-joint rotation orders, the leaves' End
-  Sites), written atomically."""
+  Sites, the input's removed joints written back), written atomically."""
   path = check_output(path, overwrite)
   motion = solution_bvh(sol.local_rot, sol.positions_fk[:, 0], sol.offsets, rig, fps, units,
-                        orders, end_sites)
+                        orders, end_sites, removed)
   bvh.write_bvh(path, motion)
 
 

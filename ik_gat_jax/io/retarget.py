@@ -368,11 +368,17 @@ class ReducedMotion:
     offsets: `[J, 3]` rest offsets (root: its rest position).
     end_local: `[T, E, 3]` end site of every rig leaf (`skeleton.leaves_of`) in the leaf's frame,
       metres (NaN: the leaf has none), or None (module docstring, "End sites").
+    removed: per rig joint, the source joints removed between it and its rig parent, top-down
+      (`Reduction.folded`; none for the root), each `(source index, offset [3] metres,
+      constant rotation C [3, 3])` in the rig's axes, then the rig joint's own source offset;
+      the rig joint's offset is `t_1 + C_1 t_2 + ... + (C_1 ... C_n) t_own` and its local
+      rotation `C_1 ... C_n R_own` (what an output BVH on these offsets writes back).
   """
   local_rot: np.ndarray
   root_pos: np.ndarray
   offsets: np.ndarray
   end_local: np.ndarray | None = None
+  removed: tuple | None = None
 
 
 # The JAX computations below run jitted, in float64, over fixed-size chunks of frames (the last
@@ -511,8 +517,11 @@ def reduce_motion(motion: bvh.BVHMotion, plan: Reduction, scale: float,
       if j in constants:
         C = C @ constants[j]
     offsets[k] = offset
+  removed = [()] + [
+      (tuple((j, scale * W @ t[j][0], W @ constants[j] @ W.T) for j in plan.folded[k]),
+       scale * W @ t[plan.source[k]][0]) for k in range(1, J)]
   return ReducedMotion(local_rot=W @ local @ W.T, root_pos=scale * root_pos @ W.T,
-                       offsets=scale * offsets @ W.T)
+                       offsets=scale * offsets @ W.T, removed=tuple(removed))
 
 
 def forward_kinematics_np(reduced: ReducedMotion, parents: Sequence[int]
