@@ -142,7 +142,8 @@ def test_other_files_in_the_same_workdir_are_refused(rig_run, tmp_path):
 def test_solve_writes_the_rigs_bvh(rig_run, tmp_path):
   """`ik_gat_jax.solve --checkpoint=EXPORT --units=...` (the card's command) on one of the rig's
   clips writes a BVH in the rig's own joint names (its source names), rotation orders and
-  units (issue L); the joints the rig removed are not written."""
+  units (issue L), and its hierarchy: the joints the rig removed for their constant rotations
+  written back between the same joints (session 43)."""
   from ik_gat_jax.solve import solve_file
   options, manifest, _ = rig_run
   export = Path(options.workdir) / 'checkpoint'
@@ -154,11 +155,16 @@ def test_solve_writes_the_rigs_bvh(rig_run, tmp_path):
   _, meta = inference.load_model(export)
   rig_names, parents = meta['rig']['joint_names'], meta['rig']['parents']
   solved, original = bvh.read_bvh(out), bvh.read_bvh(source)
-  assert solved.names == tuple(rig_names[j] for j in depth_first_order(parents))
-  assert set(solved.names) < set(original.names)  # the rig's names are the source's
+  assert set(rig_names) < set(solved.names) <= set(original.names)  # the source's names
+  rig_order = [n for n in solved.names if n in rig_names]
+  assert rig_order == [rig_names[j] for j in depth_first_order(parents)]
+  index = {n: i for i, n in enumerate(original.names)}
+  for i, n in enumerate(solved.names[1:], 1):  # the source's parents, removed joints back
+    assert solved.names[solved.parents[i]] == original.names[original.parents[index[n]]], n
   assert solved.num_frames == original.num_frames == summary['frames']
   assert solved.frame_time == pytest.approx(original.frame_time, rel=1e-5)
-  assert solved.joints[1].channels == original.joints[1].channels  # the source's order
+  for joint in solved.joints[1:]:  # the source's rotation orders
+    assert joint.channels == original.joints[index[joint.name]].channels, joint.name
   # Root translation in the source's own units (the BVH text keeps 4 decimals: 1e-3).
   np.testing.assert_allclose(solved.motion[:, :3], original.motion[:, :3], atol=1e-3)
 
