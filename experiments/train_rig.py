@@ -424,9 +424,11 @@ def _card_extra(o: Options, w: Path, summary: dict, results: dict, export: Path,
   lines += [f'| {f["file"]} | {f["subject"]} | {f["split"]} | {f["frames"]} | '
             f'{f["sha256"][:16]} |' for f in files]
   lines += ['', '## Solving with it', '', f'`{solve_command(export, summary, o)}`', '',
-            'The output BVH has the rig\'s joints with their source names (joints the rig '
-            'left out, such as constant-rotation joints, are not written), the input BVH\'s '
-            'rotation order per joint and its units (`--bvh_units=cm|m|NUMBER` to choose) and '
+            'The output BVH has the rig\'s joints with their source names and, from a BVH '
+            'input on its own offsets, its hierarchy (the constant-rotation joints the rig '
+            'left out written back with their rotations; pruned subtrees are not written), '
+            'the input BVH\'s rotation order per joint and its units '
+            '(`--bvh_units=cm|m|NUMBER` to choose) and '
             'the rig\'s y-up world. `--subject_calibration` measures each clip\'s subject\'s '
             'constant biases at the joints whose children branch on the clip\'s own frames '
             'and removes them (the ikgat_calibrated row above): for subjects unlike the '

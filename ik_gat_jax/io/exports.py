@@ -24,7 +24,9 @@ refused unless `overwrite`):
 - npz: `local_rot`, `global_rot`, `bone_aligned_rot [T, J, 3, 3]`, `positions_fk`, `positions`
   `[T, J, 3]` (metres), `offsets [J, 3]` (metres), `bone_frames [J, 3, 3]`, `joint_names`,
   `parents`, `fps`, `rig` (JSON).
-- BVH: the rig's joints (depth-first) in the rig's joint names, OFFSETs = the subject's offsets
+- BVH: the rig's joints (depth-first) in the rig's joint names (with `removed`, an input BVH's
+  constant-rotation joints the rig left out, between the same joints), OFFSETs = the subject's
+  offsets
   (the root's 0 0 0: its channels are its world position), angles continuous over frames
   (`continuous_euler`), root channels `Xposition Yposition Zposition` then three rotation
   channels, others three rotation channels, per joint in `orders[j]` (intrinsic, channel order:
