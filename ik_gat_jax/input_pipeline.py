@@ -23,6 +23,7 @@ A batch is a dict of arrays, leading axis B:
 from __future__ import annotations
 
 import functools
+import math
 import queue
 import threading
 import time
@@ -366,7 +367,8 @@ def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig, group: int = 1) -> 
   choice are drawn once per group (one body, one tracker), the per-frame noise per row. With
   `group=1` every draw is what it was before windows existed.
 
-  `aug` fields: yaw (bool: uniform rotation about up), mirror (probability), bone_scale
+  `aug` fields: yaw (bool: uniform rotation about up), tilt_deg (absent = 0 = off: a rotation
+  by U[0, tilt_deg] degrees about a uniformly random horizontal axis), mirror (probability), bone_scale
   (half-width s: per-bone factors U[1-s, 1+s] shared by mirror pairs, directions kept),
   noise_mm (Gaussian sigma added to `input_positions` only). Adds `input_positions`.
   Tracker noise (issue J; `tracker_noise`, absent = off): noise_mm_max, clean_frac,
@@ -415,6 +417,17 @@ def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig, group: int = 1) -> 
     Ry = rotations.matrix_from_axis_angle(angle[:, None] * jnp.asarray(rig.up, jnp.float32))
     batch = {**batch, 'local_rot': batch['local_rot'].at[:, 0].set(Ry @ batch['local_rot'][:, 0])}
     root_pos = jnp.einsum('bij,bj->bi', Ry, root_pos)
+    changed = True
+  tilt = float(aug.get('tilt_deg', 0.0))
+  if tilt > 0:  # session 44: a turn about a random horizontal axis, U[0, tilt] degrees
+    k_dir, k_ang = jax.random.split(jax.random.fold_in(key, 0x74))
+    lat, fwd = jnp.asarray(rig.lateral, jnp.float32), jnp.asarray(rig.forward, jnp.float32)
+    a = _repeat(jax.random.uniform(k_dir, (n,), minval=-jnp.pi, maxval=jnp.pi), group)
+    angle = _repeat(jax.random.uniform(k_ang, (n,), maxval=math.radians(tilt)), group)
+    axis = jnp.cos(a)[:, None] * lat + jnp.sin(a)[:, None] * fwd
+    Rt = rotations.matrix_from_axis_angle(angle[:, None] * axis)
+    batch = {**batch, 'local_rot': batch['local_rot'].at[:, 0].set(Rt @ batch['local_rot'][:, 0])}
+    root_pos = jnp.einsum('bij,bj->bi', Rt, root_pos)
     changed = True
   if changed:
     _, pos = kinematics.forward_kinematics(batch['local_rot'], batch['offsets'], rig.parents,

@@ -18,7 +18,16 @@ Pipeline of `IKModel.__call__` (the parts shared by every arch):
      of the hip vector p_left_hip - p_right_hip points along `rig.lateral` (the body's left at
      rest, so the canonical frame of a rest pose is the world frame). The hips are the first
      pair of root children that are mirror partners; the one with the larger template offset
-     along `lateral` is left. A vertical hip vector (degenerate) leaves the yaw at identity;
+     along `lateral` is left. A vertical hip vector (degenerate) leaves the yaw at identity.
+     `body_frame` (session 44; '' = off, as in every model trained before): the whole body's
+     frame instead, so the input is the same for every rotation of the body (lying, on its
+     side, upside down): every local rotation but the root's is exactly invariant to it and the
+     root's turns with it. 'spine': the hip vector to `lateral`, the spine (the hips' midpoint
+     to the chest, `chest_joint`) made orthogonal to it to `up`; 'torso': the rotation that
+     best fits the torso's joints (`torso_joints`: hips, spine, neck, shoulders) to their
+     places in the rig's natural pose (least squares), less moved by noise on any one joint.
+     Either way the rig's natural pose maps to itself (`body_reference`), so an upright body is
+     turned only by its lean. Where the chest is not observed it falls back to the heading;
   4. the backbone (arch): positions `[B, J, 3]` -> 6D `[B, J, 6]`;
   5. observed-direction head (optional): the first 6D column of every joint with a designated
      child is replaced by the observed direction to that child. Only joints whose output is
@@ -185,6 +194,8 @@ class ModelConfig:
   dropout: float = 0.1
   observed_direction_head: bool = False
   heading_canonicalization: bool = False
+  body_frame: str = ''
+  tilt_limit_deg: float | None = None
   scale_normalization: bool = False
   pooled_global_feature: bool = False
   joint_mask: bool = False
@@ -213,6 +224,16 @@ class ModelConfig:
     if self.observed_direction_blend and not self.observed_direction_head:
       raise ValueError('observed_direction_blend blends the observed-direction head\'s column with '
                        'the prediction: set observed_direction_head=True as well')
+    if isinstance(self.body_frame, bool):  # session 44's first runs wrote True for 'spine'
+      object.__setattr__(self, 'body_frame', 'spine' if self.body_frame else '')
+    if self.body_frame not in BODY_FRAMES:
+      raise ValueError(f'ModelConfig.body_frame={self.body_frame!r}; choose from {BODY_FRAMES}')
+    if self.tilt_limit_deg is not None and not 0.0 <= self.tilt_limit_deg <= 90.0:
+      raise ValueError(f'tilt_limit_deg is an angle in [0, 90] (0 = off), got '
+                       f'{self.tilt_limit_deg}')
+    if self.body_frame and not self.heading_canonicalization:
+      raise ValueError('body_frame turns the heading canonicalisation into a whole-body frame: '
+                       'set heading_canonicalization=True as well')
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f'dropout must be in [0, 1), got {self.dropout}')
     if int(self.window) != self.window or self.window < 1:
@@ -427,6 +448,128 @@ def mirror_bone_pairs(rig: Rig) -> tuple[tuple[int, int], ...]:
 # Pure pre/post-processing.
 
 
+BODY_FRAMES = ('', 'spine', 'torso')
+# A heading-only model's `tilt_limit_deg` where its config leaves it None (every model trained
+# before session 44): bodies tilted further are turned back to this tilt (`tilt_rotation`).
+TILT_LIMIT_DEG = 45.0
+
+
+def torso_joints(rig: Rig, hips: tuple[int, int], chest: int) -> tuple[int, ...]:
+  """The joints `body_rotation` fits with 'torso': the root and its children, the spine from
+  the root to the chest, and the chest's children (cmu_body: the hips, spine, neck and
+  shoulders; smpl22: the hips, spine, neck and collars)."""
+  spine, j = [], chest
+  while j > 0:
+    spine.append(j)
+    j = rig.parents[j]
+  return tuple(sorted({0, *rig.children[0], *hips, *spine, *rig.children[chest]}))
+
+
+def chest_joint(rig: Rig, hips: tuple[int, int]) -> int:
+  """The joint whose position gives `body_rotation` its up: from the root, its child that is
+  not a hip with the most descendants, then designated children down to the first joint where
+  the body branches (the chest: cmu_body's Spine1, smpl22's spine3) or a leaf."""
+  sizes = skeleton.num_descendants(rig.parents)
+  kids = [k for k in rig.children[0] if k not in hips]
+  if not kids:
+    raise ValueError(f'rig {rig.name!r}: the root has no child but the hips, so no spine for '
+                     'the body frame')
+  j = max(kids, key=lambda k: sizes[k])
+  while len(rig.children[j]) == 1 and rig.designated_children[j] >= 0:
+    j = rig.designated_children[j]
+  return j
+
+
+def _body_frame(x, hips: tuple[int, int], chest: int, xp=jnp):
+  """`x: [B, J, 3]` -> (`[B, 3, 3]` the body's frame, columns the unit hip vector `x[left] -
+  x[right]`, the spine's part orthogonal to it (the hips' midpoint to `x[chest]`) and their cross
+  product; valid `[B]`: both longer than 1e-6)."""
+  hip = x[:, hips[0]] - x[:, hips[1]]
+  spine = x[:, chest] - 0.5 * (x[:, hips[0]] + x[:, hips[1]])
+  hn = xp.linalg.norm(hip, axis=-1, keepdims=True)
+  u = hip / xp.maximum(hn, 1e-12)
+  v = spine - xp.sum(spine * u, -1, keepdims=True) * u
+  vn = xp.linalg.norm(v, axis=-1, keepdims=True)
+  valid = (hn[:, 0] > 1e-6) & (vn[:, 0] > 1e-6)
+  v = v / xp.maximum(vn, 1e-12)
+  return xp.stack([u, v, xp.cross(u, v)], axis=-1), valid
+
+
+def body_reference(rig: Rig, hips: tuple[int, int], chest: int, kind: str = 'spine'
+                   ) -> np.ndarray:
+  """What `body_rotation` maps every body to, from the rig's reference pose (its natural pose;
+  the template's positions): 'spine', the `[3, 3]` body frame (`_body_frame`) of that pose, or
+  `[lateral up forward]` for a rig without a template; 'torso', `[K, 3]` the `torso_joints`'
+  positions in that pose about their mean (`[0]` without a template: no 'torso' then). Either
+  way a body in the rig's natural pose stays where it is, as with the heading alone."""
+  canon = np.stack([rig.lateral, rig.up, rig.forward], axis=-1)
+  if not rig.template_offsets:
+    if kind == 'torso':
+      raise ValueError(f"rig {rig.name!r} has no template: body_frame='torso' fits the torso to "
+                       "the template's; use 'spine'")
+    return canon
+  x = rig.reference_positions()
+  if kind == 'torso':
+    r = x[list(torso_joints(rig, hips, chest))]
+    return r - r.mean(axis=0)
+  F, valid = _body_frame(x[None], hips, chest, xp=np)
+  return F[0] if valid[0] else canon
+
+
+def body_rotation(x: jax.Array, hips: tuple[int, int], chest: int, reference: np.ndarray,
+                  torso: tuple[int, ...] | None = None, weights: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
+  """`x: [B, J, 3]` -> (`C_canon_world [B, 3, 3]`, valid `[B]`); identity where invalid.
+
+  Without `torso` ('spine'): the rotation taking the body's frame (`_body_frame`: the hip
+  vector, the spine orthogonal to it) to `reference` (`body_reference`), invalid where the hip
+  vector or that part of the spine is under 1e-6. With `torso` ('torso'): the rotation that
+  best fits the `torso` joints to `reference [K, 3]` (least squares, both about their means:
+  the Kabsch solution by a 3 x 3 SVD), each joint weighted by `weights [B, K]` (1 where
+  absent; 0 drops a joint), so noise on each joint moves the frame less than on two; invalid
+  where the hips' frame is (the fit is then not unique either). Either way exactly
+  equivariant: C(x W^T) = C(x) W^T for any rotation W."""
+  F, valid = _body_frame(x, hips, chest)
+  if torso is None:
+    C = jnp.asarray(reference, x.dtype) @ jnp.swapaxes(F, -1, -2)
+  else:
+    pts = x[:, list(torso)]
+    w = jnp.ones(pts.shape[:2], x.dtype) if weights is None else weights.astype(x.dtype)
+    mean = jnp.sum(w[..., None] * pts, 1) / jnp.maximum(jnp.sum(w, 1), 1e-12)[:, None]
+    N = jnp.einsum('bk,bki,kj->bij', w, pts - mean[:, None], jnp.asarray(reference, x.dtype))
+    U, _, Vt = jnp.linalg.svd(N)
+    V = jnp.swapaxes(Vt, -1, -2)
+    d = jnp.sign(jnp.linalg.det(V @ jnp.swapaxes(U, -1, -2)))
+    C = (V * jnp.stack([jnp.ones_like(d), jnp.ones_like(d), d], -1)[:, None]
+         ) @ jnp.swapaxes(U, -1, -2)
+  return jnp.where(valid[:, None, None], C, jnp.eye(3, dtype=x.dtype)), valid
+
+
+def tilt_rotation(x: jax.Array, rig: Rig, hips: tuple[int, int], chest: int, limit: float
+                  ) -> jax.Array:
+  """`x: [B, J, 3]` -> `[B, 3, 3]`: a body whose spine (the hips' midpoint to `x[chest]`) is
+  tilted from `rig.up` by more than `limit` (radians) turned back towards up, about the
+  horizontal axis `spine x up`, to the tilt `r = min(theta, limit, pi - theta)`: upright
+  bodies are left as they are, a body lying down is brought to `limit`, and one upside down
+  (theta near pi) all the way up, where whichever horizontal axis is taken the results differ
+  only by a turn about up, which the heading then removes, so the input is continuous in the
+  pose everywhere. Identity where the spine is shorter than 1e-6."""
+  up = jnp.asarray(rig.up, x.dtype)
+  spine = x[:, chest] - 0.5 * (x[:, hips[0]] + x[:, hips[1]])
+  axis = jnp.cross(spine, up)
+  sin, cos = rotations.safe_norm(axis), jnp.sum(spine * up, -1)
+  theta = jnp.arctan2(sin, cos)
+  phi = theta - jnp.minimum(jnp.minimum(theta, limit), jnp.pi - theta)
+  hip = x[:, hips[0]] - x[:, hips[1]]
+  flat = hip - jnp.sum(hip * up, -1, keepdims=True) * up  # upside down: turn about the hips
+  flat = jnp.where(rotations.safe_norm(flat, keepdims=True) > 1e-9, flat,
+                   jnp.asarray(rig.lateral, x.dtype))
+  u = jnp.where((sin > 1e-6 * rotations.safe_norm(spine))[:, None], axis, flat)
+  T = rotations.matrix_from_axis_angle(rotations.normalize(u) * phi[:, None])
+  return jnp.where((rotations.safe_norm(spine) > 1e-6)[:, None, None], T,
+                   jnp.eye(3, dtype=x.dtype))
+
+
 def heading_rotation(x: jax.Array, rig: Rig, hips: tuple[int, int]) -> jax.Array:
   """`x: [B, J, 3]` -> `C_canon_world [B, 3, 3]`, a rotation about `rig.up` taking the
   horizontal hip vector `x[left] - x[right]` to `rig.lateral` (identity where it is vertical)."""
@@ -503,6 +646,20 @@ class IKModel(nnx.Module):
   def __init__(self, config: ModelConfig, rig: Rig, rngs: nnx.Rngs):
     self.config, self.rig = config, rig
     self.hips = hip_pair(rig) if config.heading_canonicalization else None
+    self.chest = chest_joint(rig, self.hips) if config.body_frame else None
+    self.body_frame_on = bool(config.body_frame)
+    self.body_reference = (body_reference(rig, self.hips, self.chest, config.body_frame)
+                           if config.body_frame else None)
+    self.torso = (torso_joints(rig, self.hips, self.chest) if config.body_frame == 'torso'
+                  else None)
+    limit = TILT_LIMIT_DEG if config.tilt_limit_deg is None else config.tilt_limit_deg
+    self.tilt_limit = None  # radians; None: no tilt limit (the heading alone, or body_frame)
+    if config.heading_canonicalization and not config.body_frame and limit > 0:
+      try:
+        self.chest = chest_joint(rig, self.hips)
+        self.tilt_limit = math.radians(limit)
+      except ValueError:  # no spine beside the hips: the heading alone
+        pass
     J = rig.num_joints
     unknown = [n for n in config.orientation_inputs if n not in rig.joint_names]
     if unknown:
@@ -568,7 +725,21 @@ class IKModel(nnx.Module):
         pts = pts / jnp.where(s > 1e-6, s, 1.0)[:, None, None]
     if not self.config.heading_canonicalization:
       return x, None, pts
-    C = heading_rotation(x, self.rig, self.hips)
+    if self.tilt_limit is not None:
+      T = tilt_rotation(x, self.rig, self.hips, self.chest, self.tilt_limit)
+      if mask is not None:  # the hips and the chest observed, else no tilt limit
+        seen = mask[:, self.hips[0]] & mask[:, self.hips[1]] & mask[:, self.chest]
+        T = jnp.where(seen[:, None, None], T, jnp.eye(3, dtype=T.dtype))
+      C = heading_rotation(jnp.einsum('bij,bkj->bki', T, x), self.rig, self.hips) @ T
+    else:
+      C = heading_rotation(x, self.rig, self.hips)
+    if self.body_frame_on:
+      Cb, valid = body_rotation(
+          x, self.hips, self.chest, self.body_reference, self.torso,
+          None if mask is None or self.torso is None else mask[:, list(self.torso)])
+      if mask is not None:
+        valid = valid & mask[:, self.chest]
+      C = jnp.where(valid[:, None, None], Cb, C)
     if mask is not None:  # a hip not observed: no canonicalisation for that example
       hips_seen = mask[:, self.hips[0]] & mask[:, self.hips[1]]
       C = jnp.where(hips_seen[:, None, None], C, jnp.eye(3, dtype=C.dtype))

@@ -179,6 +179,114 @@ def test_without_heading_canonicalisation_yaw_is_not_equivariant():
   assert err > 1e-2
 
 
+@pytest.mark.parametrize('rig', [RIG, skeleton.smpl22()], ids=lambda r: r.name)
+def test_the_body_frame_makes_world_outputs_equivariant_to_any_rotation(rig):
+  """body_frame: lying, on its side or upside down, every output that lives in the world frame
+  turns with the body and the others stay (so every local rotation but the root's is invariant);
+  the heading alone does not (the test's power), and an unobserved chest falls back to it."""
+  x = _positions(rig, 4, 5)
+  world = np.asarray(model.world_frame_outputs(rig, 'mixed'))[:, None, None]
+  rots = [jnp.asarray(SciRot.from_rotvec(v).as_matrix(), jnp.float32)
+          for v in ([np.pi / 2, 0, 0], [0, 0, np.pi / 2], [0, 0, np.pi], [0.4, -2.0, 1.1])]
+  errs = {}
+  for body in ('spine', 'torso', ''):
+    cfg = model.ModelConfig(size='tiny', output_space='mixed', observed_direction_head=True,
+                            heading_canonicalization=True, body_frame=body,
+                            scale_normalization=True, joint_mask=True)
+    m = _randomize_head(model.create_model(cfg, rig, nnx.Rngs(0)))
+    R = m(x, deterministic=True)
+    errs[body] = max(float(np.abs(m(x @ Rw.T, deterministic=True)
+                                  - np.where(world, Rw @ R, R)).max()) for Rw in rots)
+  assert errs['spine'] < 1e-4 and errs['torso'] < 1e-4 and errs[''] > 1e-2, errs
+  # Without the chest: the heading's (yaw) equivariance, and the same outputs as a heading model.
+  mask = np.ones((4, rig.num_joints), bool)
+  mask[:, model.chest_joint(rig, model.hip_pair(rig))] = False
+  outs = [_randomize_head(model.create_model(model.ModelConfig(
+      size='tiny', output_space='mixed', heading_canonicalization=True, body_frame=body,
+      joint_mask=True), rig, nnx.Rngs(0)))(x, joint_mask=mask, deterministic=True)
+          for body in ('spine', 'torso', '')]
+  np.testing.assert_allclose(outs[0], outs[2], atol=1e-6)
+  np.testing.assert_allclose(outs[1], outs[2], atol=1e-6)
+
+
+def _turned(x, rotvec):
+  W = jnp.asarray(SciRot.from_rotvec(rotvec).as_matrix(), jnp.float32)
+  return x @ W.T, W
+
+
+def test_a_heading_model_turns_bodies_tilted_past_its_limit_back_to_it():
+  """tilt_limit_deg: upright bodies as before (limit 0); a body tilted anywhere from the limit
+  to 180 - limit about one axis reads as the one at the limit (its world outputs turned with
+  it); upside down about any horizontal axis, as upright up to a yaw, so the input is continuous
+  through the handstand."""
+  rng = np.random.default_rng(7)  # limbs anywhere, the root and spine within ~6 deg of rest
+  scale = np.where(np.arange(J) <= 3, 0.03, 0.5)[None, :, None]
+  local = SciRot.from_rotvec((scale * rng.normal(size=(4, J, 3))).reshape(-1, 3)).as_matrix()
+  x = kinematics.forward_kinematics(jnp.asarray(local.reshape(4, J, 3, 3), jnp.float32),
+                                    jnp.asarray(RIG.template(), jnp.float32), RIG.parents)[1]
+  world = np.asarray(model.world_frame_outputs(RIG, 'mixed'))[:, None, None]
+  m = {lim: _randomize_head(model.create_model(model.ModelConfig(
+      size='tiny', output_space='mixed', heading_canonicalization=True, tilt_limit_deg=lim),
+      RIG, nnx.Rngs(0))) for lim in (0.0, 45.0)}
+  upright = _turned(x, [0.2, 0, 0])[0]  # tilts under 45 deg: the limit changes nothing
+  np.testing.assert_allclose(m[45.0](upright, deterministic=True),
+                             m[0.0](upright, deterministic=True), atol=1e-6)
+  hips = model.hip_pair(RIG)
+  chest = model.chest_joint(RIG, hips)
+  lat = np.asarray(RIG.lateral)
+  spine = np.asarray(x[:, chest] - 0.5 * (x[:, hips[0]] + x[:, hips[1]]))
+  tilt0 = np.arccos(spine @ np.asarray(RIG.up) / np.linalg.norm(spine, axis=-1))
+  assert tilt0.max() < 0.3  # the bodies start near upright
+  # Each body tilted further in its own plane of tilt (about up x spine) by 1.0 and by 1.9 rad:
+  # both past the limit and under 180 - limit, both turned back to 45 deg: the same input, so
+  # the same local outputs.
+  k = np.cross(np.asarray(RIG.up), spine)
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  Wa, Wb = (jnp.asarray(SciRot.from_rotvec(t * k).as_matrix(), jnp.float32) for t in (1.0, 1.9))
+  a, b = jnp.einsum('bij,bkj->bki', Wa, x), jnp.einsum('bij,bkj->bki', Wb, x)
+  Ra, Rb = m[45.0](a, deterministic=True), m[45.0](b, deterministic=True)
+  local = ~world[:, 0, 0]
+  np.testing.assert_allclose(Ra[:, local], Rb[:, local], atol=1e-5)
+  Ta = np.asarray(model.tilt_rotation(a, RIG, hips, chest, np.radians(45.0)))
+  np.testing.assert_allclose(np.swapaxes(Ta, -1, -2) @ Ta, np.broadcast_to(np.eye(3), Ta.shape),
+                             atol=1e-5)
+  s = np.einsum('bij,bj->bi', Ta, np.asarray(a[:, chest] - 0.5 * (a[:, hips[0]] + a[:, hips[1]])))
+  tilt = np.degrees(np.arccos(s @ np.asarray(RIG.up) / np.linalg.norm(s, axis=-1)))
+  np.testing.assert_allclose(tilt, 45.0, atol=1e-3)
+  # Upside down about the lateral or the forward axis: the same canonical input.
+  xs = [m[45.0].canonical_input(_turned(x, np.pi * np.asarray(v))[0])[0]
+        for v in (RIG.lateral, RIG.forward)]
+  np.testing.assert_allclose(xs[0], xs[1], atol=1e-5)
+  # and the model without the limit sees them differently (the test's power).
+  assert np.abs(np.asarray(m[0.0](a, deterministic=True) - m[0.0](b, deterministic=True))[
+      :, local]).max() > 1e-2
+  with pytest.raises(ValueError, match='tilt_limit_deg'):
+    model.ModelConfig(tilt_limit_deg=120.0)
+
+
+def test_the_body_frame_of_a_rest_pose_is_the_identity_and_needs_the_heading():
+  x = jnp.asarray(skeleton.rest_positions_np(RIG.template(), RIG.parents), jnp.float32)[None]
+  hips = model.hip_pair(RIG)
+  chest = model.chest_joint(RIG, hips)
+  C, valid = model.body_rotation(x, hips, chest, model.body_reference(RIG, hips, chest))
+  assert bool(valid[0])
+  np.testing.assert_allclose(C[0], np.eye(3), atol=1e-6)
+  # The reference is a rotation, 9.4 deg from the world's axes (CMU's spine leans back from the
+  # hips' midpoint, which sits 4.3 cm forward of the root).
+  ref = model.body_reference(RIG, hips, chest)
+  np.testing.assert_allclose(ref.T @ ref, np.eye(3), atol=1e-12)
+  assert np.isclose(np.linalg.det(ref), 1.0)
+  torso = model.torso_joints(RIG, hips, chest)
+  C, valid = model.body_rotation(x, hips, chest, model.body_reference(RIG, hips, chest, 'torso'),
+                                 torso)
+  np.testing.assert_allclose(C[0], np.eye(3), atol=1e-6)
+  with pytest.raises(ValueError, match='heading_canonicalization'):
+    model.ModelConfig(body_frame='torso')
+  with pytest.raises(ValueError, match='body_frame'):
+    model.ModelConfig(body_frame='chest', heading_canonicalization=True)
+  assert model.ModelConfig(body_frame=True, heading_canonicalization=True).body_frame == 'spine'
+
+
 @pytest.mark.parametrize('arch,space,heading', [('ikgat', 'bone_aligned', False),
                                                 ('ikgat', 'bone_aligned', True),
                                                 ('ikgat', 'mixed', True),

@@ -49,6 +49,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.loss = ml_collections.ConfigDict(dict(alpha=0.1, distill_weight=1.0, velocity_weight=0.0))
   c.augment = ml_collections.ConfigDict(dict(yaw=True, mirror=0.5, bone_scale=0.07,
                                              noise_mm=0.0))
+  # tilt_deg (session 44; 0 = off, absent in older checkpoints' configs = off): every sample
+  # turned by U[0, tilt_deg] degrees about a random horizontal axis, for a model that meets
+  # bodies leaning or lying (a heading model turns bodies tilted past its
+  # model.tilt_limit_deg back to it).
+  c.augment.update(tilt_deg=0.0)
   # Sparse inputs (G2; 0 = off; input_pipeline.sample_input_masks): per-frame joint dropout
   # rate U[0, p], probability of a named tracker subset, probability an orientation is given,
   # probability a frame keeps every joint.
