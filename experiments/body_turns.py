@@ -1,7 +1,7 @@
 """The whole body turned: lying, on its side, upside down (`ModelConfig.body_frame`).
 
   python -m experiments.body_turns --data=/tmp/cmu --split=val [--checkpoint=DIR] \
-      [--noise_mm=0,10,20] [--output_json=FILE]
+      [--noise_mm=0,10,20] [--tilt_limit_deg=45] [--output_json=FILE]
 
 Every frame of the split is turned about its root by each rotation of `TURNS` (the rig's axes:
 `up`, `lateral`, `forward`; 'any' is a uniformly random rotation per frame, seed 2), with
@@ -25,7 +25,7 @@ from scipy.spatial.transform import Rotation
 from experiments import common
 from experiments.common import (checkpoint_noise_main, define_checkpoint_noise_flags,
                                 fail_on_user_error)
-from ik_gat_jax import evaluation, input_pipeline, metrics
+from ik_gat_jax import evaluation, input_pipeline, metrics, model
 from ik_gat_jax.solver import IKSolver
 
 # name -> (axis, degrees); the axis names one of the rig's axes, or 'any'.
@@ -46,6 +46,9 @@ def define_flags() -> None:
   """The flags, defined only when the main runs (tests import mains side by side)."""
   define_checkpoint_noise_flags()
   flags.adopt_module_key_flags(common)
+  flags.DEFINE_float('tilt_limit_deg', None, 'A heading model\'s tilt limit where its config '
+                     'leaves it unset, as every shipped checkpoint\'s does (default: '
+                     'model.TILT_LIMIT_DEG, 45; 0 = off, the models before session 44).')
 
 
 def turn_matrices(rig, name: str, n: int) -> np.ndarray:
@@ -98,6 +101,11 @@ def table(results: dict) -> str:
 @fail_on_user_error
 def main(argv):
   del argv
+  limit = flags.FLAGS.tilt_limit_deg
+  if limit is not None:
+    if not 0.0 <= limit <= 90.0:
+      raise ValueError(f'--tilt_limit_deg is an angle in [0, 90], got {limit}')
+    model.TILT_LIMIT_DEG = limit  # read when the model is built (its compiled programs too)
   checkpoint_noise_main(run, table, 'local rotation error (deg), every frame turned about its '
                         'root')
 
