@@ -546,14 +546,15 @@ def body_rotation(x: jax.Array, hips: tuple[int, int], chest: int, reference: np
 
 
 def tilt_rotation(x: jax.Array, rig: Rig, hips: tuple[int, int], chest: int, limit: float
-                  ) -> jax.Array:
-  """`x: [B, J, 3]` -> `[B, 3, 3]`: a body whose spine (the hips' midpoint to `x[chest]`) is
+                  ) -> tuple[jax.Array, jax.Array]:
+  """`x: [B, J, 3]` -> (`[B, 3, 3]`, tilted `[B]`): a body whose spine (the hips' midpoint to `x[chest]`) is
   tilted from `rig.up` by more than `limit` (radians) turned back towards up, about the
   horizontal axis `spine x up`, to the tilt `r = min(theta, limit, pi - theta)`: upright
   bodies are left as they are, a body lying down is brought to `limit`, and one upside down
   (theta near pi) all the way up, where whichever horizontal axis is taken the results differ
   only by a turn about up, which the heading then removes, so the input is continuous in the
-  pose everywhere. Identity where the spine is shorter than 1e-6."""
+  pose everywhere. Identity, and not tilted, where the body is within the limit or the spine is
+  shorter than 1e-6."""
   up = jnp.asarray(rig.up, x.dtype)
   spine = x[:, chest] - 0.5 * (x[:, hips[0]] + x[:, hips[1]])
   axis = jnp.cross(spine, up)
@@ -566,8 +567,8 @@ def tilt_rotation(x: jax.Array, rig: Rig, hips: tuple[int, int], chest: int, lim
                    jnp.asarray(rig.lateral, x.dtype))
   u = jnp.where((sin > 1e-6 * rotations.safe_norm(spine))[:, None], axis, flat)
   T = rotations.matrix_from_axis_angle(rotations.normalize(u) * phi[:, None])
-  return jnp.where((rotations.safe_norm(spine) > 1e-6)[:, None, None], T,
-                   jnp.eye(3, dtype=x.dtype))
+  tilted = (rotations.safe_norm(spine) > 1e-6) & (phi > 0)
+  return jnp.where(tilted[:, None, None], T, jnp.eye(3, dtype=x.dtype)), tilted
 
 
 def heading_rotation(x: jax.Array, rig: Rig, hips: tuple[int, int]) -> jax.Array:
@@ -725,14 +726,14 @@ class IKModel(nnx.Module):
         pts = pts / jnp.where(s > 1e-6, s, 1.0)[:, None, None]
     if not self.config.heading_canonicalization:
       return x, None, pts
+    C = heading_rotation(x, self.rig, self.hips)
     if self.tilt_limit is not None:
-      T = tilt_rotation(x, self.rig, self.hips, self.chest, self.tilt_limit)
+      T, tilted = tilt_rotation(x, self.rig, self.hips, self.chest, self.tilt_limit)
       if mask is not None:  # the hips and the chest observed, else no tilt limit
-        seen = mask[:, self.hips[0]] & mask[:, self.hips[1]] & mask[:, self.chest]
-        T = jnp.where(seen[:, None, None], T, jnp.eye(3, dtype=T.dtype))
-      C = heading_rotation(jnp.einsum('bij,bkj->bki', T, x), self.rig, self.hips) @ T
-    else:
-      C = heading_rotation(x, self.rig, self.hips)
+        tilted = tilted & mask[:, self.hips[0]] & mask[:, self.hips[1]] & mask[:, self.chest]
+      # Untilted examples keep the heading computed as before the limit existed, bit for bit.
+      C = jnp.where(tilted[:, None, None], heading_rotation(
+          jnp.einsum('bij,bkj->bki', T, x), self.rig, self.hips) @ T, C)
     if self.body_frame_on:
       Cb, valid = body_rotation(
           x, self.hips, self.chest, self.body_reference, self.torso,

@@ -247,7 +247,9 @@ def test_a_heading_model_turns_bodies_tilted_past_its_limit_back_to_it():
   Ra, Rb = m[45.0](a, deterministic=True), m[45.0](b, deterministic=True)
   local = ~world[:, 0, 0]
   np.testing.assert_allclose(Ra[:, local], Rb[:, local], atol=1e-5)
-  Ta = np.asarray(model.tilt_rotation(a, RIG, hips, chest, np.radians(45.0)))
+  Ta, tilted = model.tilt_rotation(a, RIG, hips, chest, np.radians(45.0))
+  assert np.asarray(tilted).all()
+  Ta = np.asarray(Ta)
   np.testing.assert_allclose(np.swapaxes(Ta, -1, -2) @ Ta, np.broadcast_to(np.eye(3), Ta.shape),
                              atol=1e-5)
   s = np.einsum('bij,bj->bi', Ta, np.asarray(a[:, chest] - 0.5 * (a[:, hips[0]] + a[:, hips[1]])))
