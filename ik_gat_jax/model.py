@@ -728,12 +728,21 @@ class IKModel(nnx.Module):
       return x, None, pts
     C = heading_rotation(x, self.rig, self.hips)
     if self.tilt_limit is not None:
-      T, tilted = tilt_rotation(x, self.rig, self.hips, self.chest, self.tilt_limit)
+      up = jnp.asarray(self.rig.up, x.dtype)
+      spine = x[:, self.chest] - 0.5 * (x[:, self.hips[0]] + x[:, self.hips[1]])
+      length = rotations.safe_norm(spine)
+      tilted = (jnp.sum(spine * up, -1) < math.cos(self.tilt_limit) * length) & (length > 1e-6)
       if mask is not None:  # the hips and the chest observed, else no tilt limit
         tilted = tilted & mask[:, self.hips[0]] & mask[:, self.hips[1]] & mask[:, self.chest]
-      # Untilted examples keep the heading computed as before the limit existed, bit for bit.
-      C = jnp.where(tilted[:, None, None], heading_rotation(
-          jnp.einsum('bij,bkj->bki', T, x), self.rig, self.hips) @ T, C)
+
+      def turned(C):
+        T, _ = tilt_rotation(x, self.rig, self.hips, self.chest, self.tilt_limit)
+        return jnp.where(tilted[:, None, None], heading_rotation(
+            jnp.einsum('bij,bkj->bki', T, x), self.rig, self.hips) @ T, C)
+
+      # Only where some body leans past the limit (a live upright frame skips the work); an
+      # untilted one keeps the heading computed as before the limit existed, bit for bit.
+      C = jax.lax.cond(jnp.any(tilted), turned, lambda C: C, C)
     if self.body_frame_on:
       Cb, valid = body_rotation(
           x, self.hips, self.chest, self.body_reference, self.torso,
