@@ -12,6 +12,7 @@ options as flags; its card has the commands.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 from ik_gat_jax.model import ModelConfig
 
@@ -24,6 +25,10 @@ def get_config() -> ml_collections.ConfigDict:
   # bone_chart (issue L): the leaves' local outputs in the rest-bone-frame chart, the same on
   # every rig whatever its bind (model.to_local); models trained before it lack the key (off).
   c.model = ModelConfig(size='base', output_space='mixed', bone_chart=True).to_dict()
+  # tilt_limit_deg (session 44): None = the heading models' default (model.TILT_LIMIT_DEG, 45),
+  # as in every older checkpoint; a float placeholder so that --config.model.tilt_limit_deg=30
+  # (0 = off) can set it.
+  c.model.tilt_limit_deg = config_dict.placeholder(float)
   c.train = ml_collections.ConfigDict(dict(
       steps=5_000, batch_size=256, lr=2e-3, final_lr_fraction=0.01, warmup_steps=300,
       weight_decay=1e-4, clip_norm=1.0, log_every=100, eval_every=500,
