@@ -368,8 +368,9 @@ def augment(batch: dict, key: jax.Array, aug: Any, rig: Rig, group: int = 1) -> 
   `group=1` every draw is what it was before windows existed.
 
   `aug` fields: yaw (bool: uniform rotation about up), tilt_deg (absent = 0 = off: a rotation
-  by U[0, tilt_deg] degrees about a uniformly random horizontal axis), mirror (probability), bone_scale
-  (half-width s: per-bone factors U[1-s, 1+s] shared by mirror pairs, directions kept),
+  by U[0, tilt_deg] degrees about a uniformly random horizontal axis), mirror (probability),
+  bone_scale (half-width s: per-bone factors U[1-s, 1+s] shared by mirror pairs, directions
+  kept),
   noise_mm (Gaussian sigma added to `input_positions` only). Adds `input_positions`.
   Tracker noise (issue J; `tracker_noise`, absent = off): noise_mm_max, clean_frac,
   bone_jitter, outlier_prob, also on `input_positions` (and end sites) only; the fixed

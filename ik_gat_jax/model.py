@@ -480,12 +480,18 @@ def chest_joint(rig: Rig, hips: tuple[int, int]) -> int:
   return j
 
 
+def spine_vector(x, hips: tuple[int, int], chest: int):
+  """`x: [B, J, 3]` (numpy or JAX) -> `[B, 3]`: the hips' midpoint to the chest, the body's up
+  for `_body_frame`, `tilt_rotation` and the model's tilt test."""
+  return x[:, chest] - 0.5 * (x[:, hips[0]] + x[:, hips[1]])
+
+
 def _body_frame(x, hips: tuple[int, int], chest: int, xp=jnp):
   """`x: [B, J, 3]` -> (`[B, 3, 3]` the body's frame, columns the unit hip vector `x[left] -
   x[right]`, the spine's part orthogonal to it (the hips' midpoint to `x[chest]`) and their cross
   product; valid `[B]`: both longer than 1e-6)."""
   hip = x[:, hips[0]] - x[:, hips[1]]
-  spine = x[:, chest] - 0.5 * (x[:, hips[0]] + x[:, hips[1]])
+  spine = spine_vector(x, hips, chest)
   hn = xp.linalg.norm(hip, axis=-1, keepdims=True)
   u = hip / xp.maximum(hn, 1e-12)
   v = spine - xp.sum(spine * u, -1, keepdims=True) * u
@@ -547,8 +553,8 @@ def body_rotation(x: jax.Array, hips: tuple[int, int], chest: int, reference: np
 
 def tilt_rotation(x: jax.Array, rig: Rig, hips: tuple[int, int], chest: int, limit: float
                   ) -> tuple[jax.Array, jax.Array]:
-  """`x: [B, J, 3]` -> (`[B, 3, 3]`, tilted `[B]`): a body whose spine (the hips' midpoint to `x[chest]`) is
-  tilted from `rig.up` by more than `limit` (radians) turned back towards up, about the
+  """`x: [B, J, 3]` -> (`[B, 3, 3]`, tilted `[B]`): a body whose spine (`spine_vector`) is tilted
+  from `rig.up` by more than `limit` (radians) turned back towards up, about the
   horizontal axis `spine x up`, to the tilt `r = min(theta, limit, pi - theta)`: upright
   bodies are left as they are, a body lying down is brought to `limit`, and one upside down
   (theta near pi) all the way up, where whichever horizontal axis is taken the results differ
@@ -556,7 +562,7 @@ def tilt_rotation(x: jax.Array, rig: Rig, hips: tuple[int, int], chest: int, lim
   pose everywhere. Identity, and not tilted, where the body is within the limit or the spine is
   shorter than 1e-6."""
   up = jnp.asarray(rig.up, x.dtype)
-  spine = x[:, chest] - 0.5 * (x[:, hips[0]] + x[:, hips[1]])
+  spine = spine_vector(x, hips, chest)
   axis = jnp.cross(spine, up)
   sin, cos = rotations.safe_norm(axis), jnp.sum(spine * up, -1)
   theta = jnp.arctan2(sin, cos)
@@ -729,7 +735,7 @@ class IKModel(nnx.Module):
     C = heading_rotation(x, self.rig, self.hips)
     if self.tilt_limit is not None:
       up = jnp.asarray(self.rig.up, x.dtype)
-      spine = x[:, self.chest] - 0.5 * (x[:, self.hips[0]] + x[:, self.hips[1]])
+      spine = spine_vector(x, self.hips, self.chest)
       length = rotations.safe_norm(spine)
       tilted = (jnp.sum(spine * up, -1) < math.cos(self.tilt_limit) * length) & (length > 1e-6)
       if mask is not None:  # the hips and the chest observed, else no tilt limit
