@@ -1,7 +1,8 @@
 """The whole body turned: lying, on its side, upside down (`ModelConfig.body_frame`).
 
   python -m experiments.body_turns --data=/tmp/cmu --split=val [--checkpoint=DIR] \
-      [--noise_mm=0,10,20] [--tilt_limit_deg=45] [--output_json=FILE]
+      [--noise_mm=0,10,20] [--tilt_limit_deg=45] [--tilt_side_limit_deg=15] \
+      [--output_json=FILE]
 
 Every frame of the split is turned about its root by each rotation of `TURNS` (the rig's axes:
 `up`, `lateral`, `forward`; 'any' is a uniformly random rotation per frame, seed 2), with
@@ -49,6 +50,8 @@ def define_flags() -> None:
   flags.DEFINE_float('tilt_limit_deg', None, 'A heading model\'s tilt limit where its config '
                      'leaves it unset, as every shipped checkpoint\'s does (default: '
                      'model.TILT_LIMIT_DEG, 45; 0 = off, the models before session 44).')
+  flags.DEFINE_float('tilt_side_limit_deg', None, 'The same for a body leaning sideways '
+                     '(default: model.TILT_SIDE_LIMIT_DEG, 15, or the tilt limit if smaller).')
 
 
 def turn_matrices(rig, name: str, n: int) -> np.ndarray:
@@ -106,6 +109,11 @@ def main(argv):
     if not 0.0 <= limit <= 90.0:
       raise ValueError(f'--tilt_limit_deg is an angle in [0, 90], got {limit}')
     model.TILT_LIMIT_DEG = limit  # read when the model is built (its compiled programs too)
+  side = flags.FLAGS.tilt_side_limit_deg
+  if side is not None:
+    if not 0.0 < side <= 90.0:
+      raise ValueError(f'--tilt_side_limit_deg is an angle in (0, 90], got {side}')
+    model.TILT_SIDE_LIMIT_DEG = side
   checkpoint_noise_main(run, table, 'local rotation error (deg), every frame turned about its '
                         'root')
 

@@ -196,6 +196,7 @@ class ModelConfig:
   heading_canonicalization: bool = False
   body_frame: str = ''
   tilt_limit_deg: float | None = None
+  tilt_side_limit_deg: float | None = None
   scale_normalization: bool = False
   pooled_global_feature: bool = False
   joint_mask: bool = False
@@ -231,6 +232,9 @@ class ModelConfig:
     if self.tilt_limit_deg is not None and not 0.0 <= self.tilt_limit_deg <= 90.0:
       raise ValueError(f'tilt_limit_deg is an angle in [0, 90] (0 = off), got '
                        f'{self.tilt_limit_deg}')
+    if self.tilt_side_limit_deg is not None and not 0.0 < self.tilt_side_limit_deg <= 90.0:
+      raise ValueError(f'tilt_side_limit_deg is an angle in (0, 90], got '
+                       f'{self.tilt_side_limit_deg}')
     if self.body_frame and not self.heading_canonicalization:
       raise ValueError('body_frame turns the heading canonicalisation into a whole-body frame: '
                        'set heading_canonicalization=True as well')
@@ -449,9 +453,12 @@ def mirror_bone_pairs(rig: Rig) -> tuple[tuple[int, int], ...]:
 
 
 BODY_FRAMES = ('', 'spine', 'torso')
-# A heading-only model's `tilt_limit_deg` where its config leaves it None (every model trained
-# before session 44): bodies tilted further are turned back to this tilt (`tilt_rotation`).
+# A heading-only model's `tilt_limit_deg` and `tilt_side_limit_deg` where its config leaves them
+# None (every model trained before session 45): the tilt, leaning forward or back and leaning
+# sideways, past which a body is turned back towards up (`tilt_rotation`). Chosen on val
+# (BENCHMARKS.md "The whole body turned").
 TILT_LIMIT_DEG = 45.0
+TILT_SIDE_LIMIT_DEG = 15.0
 
 
 def torso_joints(rig: Rig, hips: tuple[int, int], chest: int) -> tuple[int, ...]:
@@ -551,23 +558,38 @@ def body_rotation(x: jax.Array, hips: tuple[int, int], chest: int, reference: np
   return jnp.where(valid[:, None, None], C, jnp.eye(3, dtype=x.dtype)), valid
 
 
-def tilt_rotation(x: jax.Array, rig: Rig, hips: tuple[int, int], chest: int, limit: float
-                  ) -> tuple[jax.Array, jax.Array]:
+def tilt_rotation(x: jax.Array, rig: Rig, hips: tuple[int, int], chest: int, limit: float,
+                  side_limit: float | None = None) -> tuple[jax.Array, jax.Array]:
   """`x: [B, J, 3]` -> (`[B, 3, 3]`, tilted `[B]`): a body whose spine (`spine_vector`) is tilted
-  from `rig.up` by more than `limit` (radians) turned back towards up, about the
-  horizontal axis `spine x up`, to the tilt `r = min(theta, limit, pi - theta)`: upright
-  bodies are left as they are, a body lying down is brought to `limit`, and one upside down
-  (theta near pi) all the way up, where whichever horizontal axis is taken the results differ
-  only by a turn about up, which the heading then removes, so the input is continuous in the
-  pose everywhere. Identity, and not tilted, where the body is within the limit or the spine is
+  from `rig.up` by `theta` more than its limit `L` turned back towards up, about the horizontal
+  axis `spine x up`, to the tilt reflected at the limit, `r = max(0, min(theta, 2 L - theta))`.
+
+  `L` (radians) is `limit` for a body leaning forward or back and `side_limit` (default `limit`)
+  for one leaning sideways, `L = limit + (side_limit - limit) c^2` between them, `c` the cosine
+  of the angle between the hip vector and the way up, both in the plane normal to the spine (1:
+  the body leans towards a hip). So bodies within their limit are left as they are, a body
+  leaning past it is read as leaning as much less, and one tilted `2 L` or more (lying: 90 deg,
+  upside down) is turned all the way up, the minimal rotation of its spine to up: whatever its
+  orientation, the heading then gives it one input, the upright body's. Upside down (theta near
+  pi) the turn is about the horizontal hip vector; any horizontal axis there gives the same
+  input up to a turn about up, which the heading removes, so the input is continuous in the pose
+  everywhere. Identity, and not tilted, where the body is within its limit or the spine is
   shorter than 1e-6."""
   up = jnp.asarray(rig.up, x.dtype)
   spine = spine_vector(x, hips, chest)
   axis = jnp.cross(spine, up)
   sin, cos = rotations.safe_norm(axis), jnp.sum(spine * up, -1)
   theta = jnp.arctan2(sin, cos)
-  phi = theta - jnp.minimum(jnp.minimum(theta, limit), jnp.pi - theta)
   hip = x[:, hips[0]] - x[:, hips[1]]
+  L = jnp.full_like(theta, limit)
+  if side_limit is not None and side_limit != limit:
+    s = rotations.normalize(spine)
+    towards_up = rotations.normalize(up - cos[:, None] / jnp.maximum(
+        rotations.safe_norm(spine), 1e-12)[:, None] * s)
+    h = rotations.normalize(hip - jnp.sum(hip * s, -1, keepdims=True) * s)
+    c = jnp.abs(jnp.sum(towards_up * h, -1))
+    L = limit + (side_limit - limit) * c * c
+  phi = theta - jnp.maximum(0.0, jnp.minimum(theta, 2.0 * L - theta))
   flat = hip - jnp.sum(hip * up, -1, keepdims=True) * up  # upside down: turn about the hips
   flat = jnp.where(rotations.safe_norm(flat, keepdims=True) > 1e-9, flat,
                    jnp.asarray(rig.lateral, x.dtype))
@@ -660,11 +682,14 @@ class IKModel(nnx.Module):
     self.torso = (torso_joints(rig, self.hips, self.chest) if config.body_frame == 'torso'
                   else None)
     limit = TILT_LIMIT_DEG if config.tilt_limit_deg is None else config.tilt_limit_deg
-    self.tilt_limit = None  # radians; None: no tilt limit (the heading alone, or body_frame)
+    side = (min(TILT_SIDE_LIMIT_DEG, limit) if config.tilt_side_limit_deg is None
+            else config.tilt_side_limit_deg)
+    # radians, forward or back and sideways; None: no tilt limit (the heading alone, body_frame)
+    self.tilt_limit = self.tilt_side_limit = None
     if config.heading_canonicalization and not config.body_frame and limit > 0:
       try:
         self.chest = chest_joint(rig, self.hips)
-        self.tilt_limit = math.radians(limit)
+        self.tilt_limit, self.tilt_side_limit = math.radians(limit), math.radians(side)
       except ValueError:  # no spine beside the hips: the heading alone
         pass
     J = rig.num_joints
@@ -737,18 +762,21 @@ class IKModel(nnx.Module):
       up = jnp.asarray(self.rig.up, x.dtype)
       spine = spine_vector(x, self.hips, self.chest)
       length = rotations.safe_norm(spine)
-      tilted = (jnp.sum(spine * up, -1) < math.cos(self.tilt_limit) * length) & (length > 1e-6)
+      least = min(self.tilt_limit, self.tilt_side_limit)
+      leans = (jnp.sum(spine * up, -1) < math.cos(least) * length) & (length > 1e-6)
+      seen = True
       if mask is not None:  # the hips and the chest observed, else no tilt limit
-        tilted = tilted & mask[:, self.hips[0]] & mask[:, self.hips[1]] & mask[:, self.chest]
+        seen = mask[:, self.hips[0]] & mask[:, self.hips[1]] & mask[:, self.chest]
 
       def turned(C):
-        T, _ = tilt_rotation(x, self.rig, self.hips, self.chest, self.tilt_limit)
-        return jnp.where(tilted[:, None, None], heading_rotation(
+        T, tilted = tilt_rotation(x, self.rig, self.hips, self.chest, self.tilt_limit,
+                                  self.tilt_side_limit)
+        return jnp.where((tilted & seen)[:, None, None], heading_rotation(
             jnp.einsum('bij,bkj->bki', T, x), self.rig, self.hips) @ T, C)
 
-      # Only where some body leans past the limit (a live upright frame skips the work); an
-      # untilted one keeps the heading computed as before the limit existed, bit for bit.
-      C = jax.lax.cond(jnp.any(tilted), turned, lambda C: C, C)
+      # Only where some body leans past the smaller limit (a live upright frame skips the
+      # work); an untilted one keeps the heading computed as before the limit, bit for bit.
+      C = jax.lax.cond(jnp.any(leans & seen), turned, lambda C: C, C)
     if self.body_frame_on:
       Cb, valid = body_rotation(
           x, self.hips, self.chest, self.body_reference, self.torso,

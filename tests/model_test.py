@@ -214,10 +214,16 @@ def _turned(x, rotvec):
   return x @ W.T, W
 
 
-def test_a_heading_model_turns_bodies_tilted_past_its_limit_back_to_it():
-  """tilt_limit_deg: upright bodies as before (limit 0); a body tilted anywhere from the limit
-  to 180 - limit about one axis reads as the one at the limit (its world outputs turned with
-  it); upside down about any horizontal axis, as upright up to a yaw, so the input is continuous
+def _tilt_deg(x, hips, chest):
+  s = np.asarray(model.spine_vector(np.asarray(x), hips, chest))
+  return np.degrees(np.arccos(s @ np.asarray(RIG.up) / np.linalg.norm(s, axis=-1)))
+
+
+def test_a_heading_model_reflects_a_tilt_past_its_limit_and_stands_a_lying_body_up():
+  """tilt_limit_deg (forward or back) and tilt_side_limit_deg: upright bodies as before (limit
+  0); a body tilted by `L + d` in its own plane of tilt reads as the one tilted by `L - d` (its
+  world outputs turned with it), and every tilt from `2 L` to 180 deg as the body stood up;
+  upside down about any horizontal axis, as upright up to a yaw, so the input is continuous
   through the handstand."""
   rng = np.random.default_rng(7)  # limbs anywhere, the root and spine within ~6 deg of rest
   scale = np.where(np.arange(J) <= 3, 0.03, 0.5)[None, :, None]
@@ -225,45 +231,71 @@ def test_a_heading_model_turns_bodies_tilted_past_its_limit_back_to_it():
   x = kinematics.forward_kinematics(jnp.asarray(local.reshape(4, J, 3, 3), jnp.float32),
                                     jnp.asarray(RIG.template(), jnp.float32), RIG.parents)[1]
   world = np.asarray(model.world_frame_outputs(RIG, 'mixed'))[:, None, None]
+  local = ~world[:, 0, 0]
   m = {lim: _randomize_head(model.create_model(model.ModelConfig(
-      size='tiny', output_space='mixed', heading_canonicalization=True, tilt_limit_deg=lim),
-      RIG, nnx.Rngs(0))) for lim in (0.0, 45.0)}
-  upright = _turned(x, [0.2, 0, 0])[0]  # tilts under 45 deg: the limit changes nothing
-  np.testing.assert_allclose(m[45.0](upright, deterministic=True),
+      size='tiny', output_space='mixed', heading_canonicalization=True, tilt_limit_deg=lim,
+      tilt_side_limit_deg=side), RIG, nnx.Rngs(0))) for lim, side in
+      ((0.0, None), (None, None), (45.0, 45.0))}
+  upright = _turned(x, [0.2, 0, 0])[0]  # tilts under 15 deg: the limits change nothing
+  np.testing.assert_allclose(m[None](upright, deterministic=True),
                              m[0.0](upright, deterministic=True), atol=1e-6)
   hips = model.hip_pair(RIG)
   chest = model.chest_joint(RIG, hips)
-  lat = np.asarray(RIG.lateral)
-  spine = np.asarray(x[:, chest] - 0.5 * (x[:, hips[0]] + x[:, hips[1]]))
-  tilt0 = np.arccos(spine @ np.asarray(RIG.up) / np.linalg.norm(spine, axis=-1))
+  spine = np.asarray(model.spine_vector(np.asarray(x), hips, chest))
+  tilt0 = np.radians(_tilt_deg(x, hips, chest))
   assert tilt0.max() < 0.3  # the bodies start near upright
-  # Each body tilted further in its own plane of tilt (about up x spine) by 1.0 and by 1.9 rad:
-  # both past the limit and under 180 - limit, both turned back to 45 deg: the same input, so
-  # the same local outputs.
+  # Each body tilted in its own plane of tilt (about up x spine) to 60 and to 30 deg (a limit of
+  # 45 in every direction): the same input, so the same local outputs; the same for 100 and 170
+  # deg, both past 2 x 45 and so stood up.
   k = np.cross(np.asarray(RIG.up), spine)
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  Wa, Wb = (jnp.asarray(SciRot.from_rotvec(t * k).as_matrix(), jnp.float32) for t in (1.0, 1.9))
-  a, b = jnp.einsum('bij,bkj->bki', Wa, x), jnp.einsum('bij,bkj->bki', Wb, x)
-  Ra, Rb = m[45.0](a, deterministic=True), m[45.0](b, deterministic=True)
-  local = ~world[:, 0, 0]
-  np.testing.assert_allclose(Ra[:, local], Rb[:, local], atol=1e-5)
+
+  def tilted_to(deg):
+    W = jnp.asarray(SciRot.from_rotvec((np.radians(deg) - tilt0)[:, None] * k).as_matrix(),
+                    jnp.float32)
+    return jnp.einsum('bij,bkj->bki', W, x)
+
+  for pair in ((60.0, 30.0), (100.0, 170.0)):
+    a, b = (tilted_to(d) for d in pair)
+    np.testing.assert_allclose(_tilt_deg(a, hips, chest), pair[0], atol=1e-3)
+    Ra, Rb = m[45.0](a, deterministic=True), m[45.0](b, deterministic=True)
+    np.testing.assert_allclose(Ra[:, local], Rb[:, local], atol=1e-5)
+    # and the model without the limit sees them differently (the test's power).
+    assert np.abs(np.asarray(m[0.0](a, deterministic=True) - m[0.0](b, deterministic=True))[
+        :, local]).max() > 1e-2
+  a = tilted_to(60.0)
   Ta, tilted = model.tilt_rotation(a, RIG, hips, chest, np.radians(45.0))
   assert np.asarray(tilted).all()
   Ta = np.asarray(Ta)
   np.testing.assert_allclose(np.swapaxes(Ta, -1, -2) @ Ta, np.broadcast_to(np.eye(3), Ta.shape),
                              atol=1e-5)
-  s = np.einsum('bij,bj->bi', Ta, np.asarray(a[:, chest] - 0.5 * (a[:, hips[0]] + a[:, hips[1]])))
-  tilt = np.degrees(np.arccos(s @ np.asarray(RIG.up) / np.linalg.norm(s, axis=-1)))
-  np.testing.assert_allclose(tilt, 45.0, atol=1e-3)
+  np.testing.assert_allclose(_tilt_deg(np.einsum('bij,bkj->bki', Ta, a), hips, chest), 30.0,
+                             atol=1e-3)
+  # The rest pose leaning 25 deg sideways (towards a hip) is past the side limit, 15: read as
+  # leaning 5; leaning 25 deg forward it is within the limit, 45, and left as it is.
+  rest = skeleton.rest_positions_np(RIG.template(), RIG.parents)[None]
+  s0 = np.asarray(model.spine_vector(rest, hips, chest))[0]
+  s0 /= np.linalg.norm(s0)
+  axis = np.cross(s0, RIG.up)  # CMU's rest spine leans back 9 deg: stood up first
+  rest = _turned(jnp.asarray(rest, jnp.float32), np.arcsin(np.linalg.norm(axis)) * axis
+                 / np.linalg.norm(axis))[0]
+  base = _tilt_deg(rest, hips, chest)[0]
+  assert base < 1e-3
+  for axis, after in ((RIG.forward, 5.0), (RIG.lateral, None)):
+    y = _turned(rest, np.radians(25.0) * np.asarray(axis))[0]
+    T, tilted = model.tilt_rotation(y, RIG, hips, chest, np.radians(45.0), np.radians(15.0))
+    assert bool(tilted[0]) == (after is not None)
+    if after is not None:
+      np.testing.assert_allclose(_tilt_deg(jnp.einsum('bij,bkj->bki', T, y), hips, chest), after,
+                                 atol=0.5)
   # Upside down about the lateral or the forward axis: the same canonical input.
-  xs = [m[45.0].canonical_input(_turned(x, np.pi * np.asarray(v))[0])[0]
+  xs = [m[None].canonical_input(_turned(x, np.pi * np.asarray(v))[0])[0]
         for v in (RIG.lateral, RIG.forward)]
   np.testing.assert_allclose(xs[0], xs[1], atol=1e-5)
-  # and the model without the limit sees them differently (the test's power).
-  assert np.abs(np.asarray(m[0.0](a, deterministic=True) - m[0.0](b, deterministic=True))[
-      :, local]).max() > 1e-2
   with pytest.raises(ValueError, match='tilt_limit_deg'):
     model.ModelConfig(tilt_limit_deg=120.0)
+  with pytest.raises(ValueError, match='tilt_side_limit_deg'):
+    model.ModelConfig(tilt_side_limit_deg=0.0)
 
 
 def test_the_body_frame_of_a_rest_pose_is_the_identity_and_needs_the_heading():

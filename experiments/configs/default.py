@@ -25,10 +25,13 @@ def get_config() -> ml_collections.ConfigDict:
   # bone_chart (issue L): the leaves' local outputs in the rest-bone-frame chart, the same on
   # every rig whatever its bind (model.to_local); models trained before it lack the key (off).
   c.model = ModelConfig(size='base', output_space='mixed', bone_chart=True).to_dict()
-  # tilt_limit_deg (session 44): None = the heading models' default (model.TILT_LIMIT_DEG, 45),
-  # as in every older checkpoint; a float placeholder so that --config.model.tilt_limit_deg=30
-  # (0 = off) can set it.
+  # tilt_limit_deg and tilt_side_limit_deg (sessions 44, 45): None = the heading models'
+  # defaults (model.TILT_LIMIT_DEG, 45, leaning forward or back; model.TILT_SIDE_LIMIT_DEG, 15,
+  # sideways), as in every older checkpoint; float placeholders so that
+  # --config.model.tilt_limit_deg=30 (0 = off) or --config.model.tilt_side_limit_deg=20 can set
+  # them.
   c.model.tilt_limit_deg = config_dict.placeholder(float)
+  c.model.tilt_side_limit_deg = config_dict.placeholder(float)
   c.train = ml_collections.ConfigDict(dict(
       steps=5_000, batch_size=256, lr=2e-3, final_lr_fraction=0.01, warmup_steps=300,
       weight_decay=1e-4, clip_norm=1.0, log_every=100, eval_every=500,
