@@ -6,6 +6,9 @@
 Every part is timed alone, interleaved with the others in rounds (medians over all rounds, so a
 change in the machine's load hits every part alike), in ms per frame:
   step            `IKSolver.step(frame)`: numpy in -> numpy out, everything included
+  step_lying      the same on the frame turned on its side (90 deg about the rig's forward axis,
+                  about its root): past both tilt limits, so the model's branch that turns a
+                  tilted body back runs (`model.tilt_rotation`; upright frames skip it)
   step_any_subject  `IKSolver.step(frame, offsets=...)` with the solver's own offsets given:
                   the general path, whose executable takes the model's state and the subject
                   as arguments (`step` compiles them in)
@@ -29,11 +32,13 @@ import json
 import os
 import re
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from scipy.spatial.transform import Rotation
 
 from experiments.common import fail_on_user_error
 from ik_gat_jax import data, inference, provenance
@@ -41,8 +46,8 @@ from ik_gat_jax.io import atomic
 from ik_gat_jax.skeleton import rest_positions_np
 from ik_gat_jax.solver import IKSolver, check_positions
 
-PARTS = ('step', 'step_any_subject', 'host_checks', 'to_device', 'executable', 'to_host',
-         'python_rest', 'dispatch_floor', 'numpy_reduction')  # in the order printed
+PARTS = ('step', 'step_lying', 'step_any_subject', 'host_checks', 'to_device', 'executable',
+         'to_host', 'python_rest', 'dispatch_floor', 'numpy_reduction')  # in the order printed
 
 _CKPT = flags.DEFINE_string('checkpoint', None, 'IK-GAT run or checkpoint (default: shipped).')
 _DATA = flags.DEFINE_string('data', None, 'Shards whose val frames are fed (default: the rest '
@@ -57,13 +62,15 @@ _JSON = flags.DEFINE_string('json', None, 'Write the result here too.')
 
 
 def _median_ms(fns: dict, frames: np.ndarray, calls: int, rounds: int = 10) -> dict[str, float]:
-  """Median ms of each `fn(frame)`, `calls` calls each, in `rounds` interleaved rounds."""
+  """Median ms of each `fn(frame)`, `calls` calls each, in `rounds` interleaved rounds; a value
+  `(fn, own_frames)` is fed its own frames."""
   times = {k: [] for k in fns}
   per = max(calls // rounds, 1)
   for r in range(rounds):
     for name, fn in fns.items():
+      fn, fed = fn if isinstance(fn, tuple) else (fn, frames)
       for i in range(per):
-        f = frames[(r * per + i) % len(frames)]
+        f = fed[(r * per + i) % len(fed)]
         t = time.perf_counter()
         fn(f)
         times[name].append(time.perf_counter() - t)
@@ -100,6 +107,11 @@ def breakdown(solver: IKSolver, frames: np.ndarray, calls: int) -> dict:
   exe = solver._default_step()  # pylint: disable=protected-access
   offsets = np.array(solver.offsets)
   solver.step(frames[0], offsets=offsets)  # compiles the general path
+  turn = Rotation.from_rotvec(0.5 * np.pi * np.asarray(solver.rig.forward)).as_matrix()
+  lying = (frames - frames[:, :1]) @ turn.T + frames[:, :1]
+  with warnings.catch_warnings():  # the point here: a body whose up is not the rig's
+    warnings.filterwarnings('ignore', message='up axis looks wrong')
+    solver.step(lying[0])
   on_device = jnp.asarray(frames[:1], jnp.float32)
   floor = jax.jit(lambda x: x + 1).lower(on_device).compile()
   flags_ = np.ones(J, bool)
@@ -110,6 +122,7 @@ def breakdown(solver: IKSolver, frames: np.ndarray, calls: int) -> dict:
 
   parts = _median_ms({
       'step': solver.step,
+      'step_lying': (solver.step, lying),
       'step_any_subject': lambda f: solver.step(f, offsets=offsets),
       'host_checks': host_checks,
       'executable': lambda f: exe(on_device).block_until_ready(),

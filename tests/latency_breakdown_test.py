@@ -14,8 +14,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # The command's parts, in the order it prints them (not imported: its module defines absl flags,
 # which another command's in this test process would clash with).
-PARTS = ('step', 'step_any_subject', 'host_checks', 'to_device', 'executable', 'to_host',
-         'python_rest', 'dispatch_floor', 'numpy_reduction')
+PARTS = ('step', 'step_lying', 'step_any_subject', 'host_checks', 'to_device', 'executable',
+         'to_host', 'python_rest', 'dispatch_floor', 'numpy_reduction')
 
 
 def test_every_part_reported_for_steps_own_executable(tmp_path):
