@@ -10,7 +10,10 @@ r"""One command for your own rig: convert, train IK-GAT and the prior, evaluate,
 Stages (each skipped when its output is complete, so rerunning the same command continues where
 it stopped; the trainer resumes a half-finished run from its latest checkpoint):
   1 convert   --bvh -> WORKDIR/shards (data_prep.conversion.convert), with WORKDIR/split.json
-  2 ikgat     IK-GAT (experiments/configs/default.py, --size, --steps) -> WORKDIR/ikgat
+  2 ikgat     IK-GAT (experiments/configs/robust.py, the shipped base's recipe, --size,
+              --steps) -> WORKDIR/ikgat; a rig without a pair of hips gets yaw augmentation
+              instead of the heading, a workdir trained with the recipe before session 45
+              (default.py) goes on with it, each said in one line
   3 prior     the VPoser-style prior (experiments/configs/prior.py, --prior_steps) ->
               WORKDIR/prior (+ prior_report.json)
   4 evaluate  ikgat, ikgat_calibrated (the same with the subject calibration), iterative (with
@@ -71,8 +74,10 @@ from experiments import export_checkpoint
 from experiments.common import fail_on_user_error, run_main
 from experiments.configs import default as default_config
 from experiments.configs import prior as prior_config
+from experiments.configs import robust as robust_config
 from ik_gat_jax import checkpointing, data, evaluation, inference, iterative_ik, prior_task
 from ik_gat_jax import input_pipeline, provenance, skeleton, train, vposer
+from ik_gat_jax import model as model_lib
 from ik_gat_jax import solver as solver_lib
 from ik_gat_jax.errors import ConversionError
 from ik_gat_jax.io import atomic, retarget
@@ -93,7 +98,7 @@ def _print(msg: str) -> None:
 @dataclasses.dataclass
 class Options:
   """What `run` does (the flags of the main). `config` / `prior_config`: the IK-GAT and prior
-  configs (default: experiments/configs/default.py and prior.py); `size`, `steps` and
+  configs (default: experiments/configs/robust.py and prior.py); `size`, `steps` and
   `prior_steps` override them when given."""
   bvh: str
   workdir: str
@@ -477,7 +482,7 @@ def _export(o: Options, w: Path, m: Manifest, summary: dict, results: dict, log:
 def configs(o: Options, shards: Path):
   """(IK-GAT config, prior config) for `o` on `shards`."""
   # Copies: `o` is left as it was, so this gives the same configs each time it is called.
-  c = copy.deepcopy(o.config) if o.config is not None else default_config.get_config()
+  c = copy.deepcopy(o.config) if o.config is not None else robust_config.get_config()
   c.data = str(shards)
   if o.size is not None:
     c.model.size = o.size
@@ -488,6 +493,17 @@ def configs(o: Options, shards: Path):
   p.data = str(shards)
   if o.prior_steps is not None:
     p.train.steps = o.prior_steps
+  return c, p
+
+
+def stage_configs(o: Options, w: Path, m: 'Manifest', log: Log, tag: str):
+  """`configs` as the stages train them: the robust recipe's parts the rig cannot take off, a
+  workdir trained with the recipe before it kept on it, mirror augmentation off for a rig
+  that is not mirror-symmetric; each change said in one line."""
+  c, p = configs(o, w / 'shards')
+  _recipe_where_the_rig_allows(c, w / 'shards', log, tag)
+  _keep_recorded_recipe(c, w, m, log, tag)
+  _mirror_off_where_asymmetric(c, p, w / 'shards', log, tag)
   return c, p
 
 
@@ -510,6 +526,47 @@ def _mirror_off_where_asymmetric(c, p, shards: Path, log: Log, tag: str) -> None
                  '--reference_pose=first_frame gives it its natural pose')
       log(f'{tag} mirror augmentation off ({" and ".join(turned)}): rig {rig.name} '
           f'{problem}{way_out}')
+
+
+def _recipe_where_the_rig_allows(c, shards: Path, log: Log, tag: str) -> None:
+  """The robust recipe's parts a rig cannot take turned off, each in one line: heading
+  canonicalisation (back to yaw augmentation) where the root has no mirror pair of children to
+  give the hip vector, the noise-level input where no arm or leg bones pair up."""
+  rig = skeleton.Rig.from_json(json.loads((shards / 'rig.json').read_text()))
+  if c.model.heading_canonicalization:
+    try:
+      model_lib.hip_pair(rig)
+    except ValueError as e:
+      c.model.heading_canonicalization, c.augment.yaw = False, True
+      log(f'{tag} heading canonicalisation off, yaw augmentation on: {e}')
+  if c.model.noise_level_input and not model_lib.mirror_bone_pairs(rig):
+    c.model.noise_level_input = False
+    log(f'{tag} noise-level input off: rig {rig.name} has no left/right bone pairs to compare')
+
+
+def recipe_changes() -> dict[str, tuple]:
+  """{flat key: (experiments/configs/default.py's value, robust.py's)}: where train_rig's
+  default recipe since session 45 differs from the one before it."""
+  a = _flat(json.loads(json.dumps(default_config.get_config().to_dict())))
+  b = _flat(json.loads(json.dumps(robust_config.get_config().to_dict())))
+  return {k: (a.get(k), v) for k, v in b.items() if a.get(k) != v}
+
+
+def _keep_recorded_recipe(c, w: Path, m: 'Manifest', log: Log, tag: str) -> None:
+  """A workdir whose IK-GAT was trained with the recipe before session 45 (default.py: yaw
+  augmentation, no tracker noise), rerun with the default recipe unchanged, goes on with the
+  recipe it was trained with (said in one line), so the same command continues it."""
+  old = _flat(m.recorded_configs.get('ikgat') or {})
+  if not old or train.trained_step(w / 'ikgat') is None:
+    return
+  changes = recipe_changes()
+  new = _flat(json.loads(json.dumps(c.to_dict())))
+  if all(old.get(k, was) == was and new.get(k) == now for k, (was, now) in changes.items()):
+    for k, (was, _) in changes.items():
+      section, key = k.split('.', 1)
+      c[section][key] = was
+    log(f'{tag} {w / "ikgat"} was trained with the recipe before session 45 (yaw augmentation, '
+        'no tracker noise): going on with it; a new --workdir trains the robust one')
 
 
 def _flat(d: dict, prefix: str = '') -> dict:
@@ -538,8 +595,7 @@ def _check_training_options(o: Options, w: Path, m: Manifest) -> None:
   shards = w / 'shards'
   if not (shards / 'rig.json').is_file():  # nothing trained without shards
     return
-  c, p = configs(o, shards)
-  _mirror_off_where_asymmetric(c, p, shards, lambda msg: None, '')  # as the stages will
+  c, p = stage_configs(o, w, m, lambda msg: None, '')  # as the stages will
   was = []
   for stage, cfg, steps_flag in (('ikgat', c, '--steps'), ('prior', p, '--prior_steps')):
     step = train.trained_step(w / stage)
@@ -612,8 +668,7 @@ def _run_stages(o: Options, w: Path, m: Manifest, log: Log, files: list, key: di
   tag = lambda i: f'[{i}/{len(STAGES)}]'  # noqa: E731
   t0 = time.perf_counter()
   summary = _convert(o, w, m, log, tag(1), files, key)
-  c, p = configs(o, w / 'shards')
-  _mirror_off_where_asymmetric(c, p, w / 'shards', log, tag(2))
+  c, p = stage_configs(o, w, m, log, tag(2))
   m.doc['configs'] = {'ikgat': c.to_dict(), 'prior': p.to_dict()}
   _train('ikgat', c, w / 'ikgat', m, log, tag(2))
 
@@ -674,7 +729,7 @@ def define_flags() -> None:
                        'each file its share, rounded up (evaluation.select_frames).')
   flags.DEFINE_integer('iters', 100, 'Iterations per frame of the iterative solver.')
   s('acknowledgment', None, 'Your data\'s acknowledgment, for the card.')
-  config_flags.DEFINE_config_file('config', str(CONFIG_DIR / 'default.py'),
+  config_flags.DEFINE_config_file('config', str(CONFIG_DIR / 'robust.py'),
                                   'IK-GAT config (--config.train.lr=...).', lock_config=False)
   config_flags.DEFINE_config_file('prior_config', str(CONFIG_DIR / 'prior.py'),
                                   'Prior config (--prior_config.model.latent=...).',

@@ -284,6 +284,56 @@ def test_mirror_augmentation_off_for_a_rig_that_is_not_mirror_symmetric(tmp_path
         input_pipeline.check_mirror(rig)  # what the training would have raised
 
 
+def test_the_default_recipe_is_the_robust_one_where_the_rig_allows_it(tmp_path):
+  """train_rig's default IK-GAT recipe is experiments/configs/robust.py (the shipped base's:
+  heading canonicalisation, the tracker noise model, ...); on a rig whose root has no pair of
+  hips it goes back to yaw augmentation, and without left/right bones drops the noise-level
+  input, each in one line."""
+  from ik_gat_jax import skeleton
+  c, _ = train_rig.configs(train_rig.Options(bvh='x', workdir='y'), tmp_path)
+  for k, (_, now) in train_rig.recipe_changes().items():
+    section, key = k.split('.', 1)
+    assert c[section][key] == now, k
+  assert c.model.heading_canonicalization and not c.augment.yaw
+  cmu = skeleton.cmu_body()
+  no_pairs = skeleton.make_rig('no_pairs', cmu.joint_names, cmu.parents, cmu.template(),
+                               cmu.up, cmu.forward, mirror=tuple(range(cmu.num_joints)))
+  for rig, kept in ((cmu, True), (no_pairs, False)):
+    shards = tmp_path / rig.name
+    shards.mkdir()
+    (shards / 'rig.json').write_text(json.dumps(rig.to_json()))
+    c, _ = train_rig.configs(train_rig.Options(bvh='x', workdir='y'), shards)
+    said = []
+    train_rig._recipe_where_the_rig_allows(c, shards, said.append, '[2/5]')
+    assert (c.model.heading_canonicalization, c.augment.yaw, c.model.noise_level_input) == (
+        (True, False, True) if kept else (False, True, False)), rig.name
+    assert len(said) == (0 if kept else 2), said
+    if not kept:
+      assert 'heading canonicalisation off, yaw augmentation on' in said[0]
+      assert 'no mirror pair among the root children' in said[0]
+
+
+def test_a_workdir_trained_with_the_older_recipe_goes_on_with_it(rig_run):
+  """rig_run was trained with a config built on default.py (yaw augmentation, no tracker noise),
+  the recipe before session 45: the same options with robust.py's changes (what the default
+  gives such a workdir now) go on with the recorded recipe, in one line, and are not refused."""
+  import copy
+  options, _, _ = rig_run
+  c = copy.deepcopy(options.config)
+  for k, (_, now) in train_rig.recipe_changes().items():
+    section, key = k.split('.', 1)
+    c[section][key] = now
+  w = Path(options.workdir)
+  said = []
+  o = dataclasses.replace(options, config=c)
+  got, _ = train_rig.stage_configs(o, w, train_rig.Manifest(w, {}), said.append, '[2/5]')
+  for k, (was, _) in train_rig.recipe_changes().items():
+    section, key = k.split('.', 1)
+    assert got[section][key] == was, k
+  assert len(said) == 1 and 'recipe before session 45' in said[0], said
+  train_rig._check_training_options(o, w, train_rig.Manifest(w, {}))  # not refused
+
+
 def test_changed_training_options_are_refused_and_the_record_kept(rig_run):
   """A finished run rerun with other training options, or fewer steps than it was trained to,
   is refused in one line naming them, and train_rig.json stays as it was (it must describe the

@@ -10,16 +10,12 @@ rotations). Command (2-core CPU, about an hour for 6,000 steps):
       --config=experiments/configs/distill.py
 """
 
-from experiments.configs import default
+from experiments.configs import robust
 
 
 def get_config():
-  c = default.get_config()
-  c.model.update(size='base', hidden=160, heading_canonicalization=True,
-                 observed_direction_head=True, observed_direction_blend=True,
-                 noise_level_input=True)
-  c.augment.update(yaw=False, noise_mm_max=50.0, clean_frac=0.2, bone_jitter=0.02,
-                   outlier_prob=0.05)
+  c = robust.get_config()
+  c.model.update(size='base', hidden=160)
   c.train.update(steps=6000, distill_from='checkpoints/ikgat_base')
   c.loss.update(distill_weight=1.0)
   return c
