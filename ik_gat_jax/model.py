@@ -19,6 +19,9 @@ Pipeline of `IKModel.__call__` (the parts shared by every arch):
      rest, so the canonical frame of a rest pose is the world frame). The hips are the first
      pair of root children that are mirror partners; the one with the larger template offset
      along `lateral` is left. A vertical hip vector (degenerate) leaves the yaw at identity.
+     Before it, a body whose spine leans past `tilt_limit_deg` (forward or back; default 45)
+     or `tilt_side_limit_deg` (sideways; default 15) is turned back towards up by twice its
+     excess, so one lying down or upside down is stood up (`tilt_rotation`; sessions 44-45).
      `body_frame` (session 44; '' = off, as in every model trained before): the whole body's
      frame instead, so the input is the same for every rotation of the body (lying, on its
      side, upside down): every local rotation but the root's is exactly invariant to it and the
