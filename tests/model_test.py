@@ -298,6 +298,35 @@ def test_a_heading_model_reflects_a_tilt_past_its_limit_and_stands_a_lying_body_
     model.ModelConfig(tilt_side_limit_deg=0.0)
 
 
+def test_the_canonical_input_is_continuous_through_a_cartwheel_and_a_roll():
+  """A body turned in 0.5 deg steps all the way round the forward axis (a cartwheel), the
+  lateral axis (a roll) and one between them: with the tilt limits the network's input moves at
+  most a few times as far as the body's joints do between two frames (the reflection at the
+  limits, the minimal rotation up, the heading), so a stream of it never jumps; with the heading
+  alone it swings round where the hip vector passes near vertical (on its side)."""
+  rng = np.random.default_rng(3)
+  scale = np.where(np.arange(J) <= 3, 0.03, 0.4)[None, :, None]
+  local = SciRot.from_rotvec((scale * rng.normal(size=(2, J, 3))).reshape(-1, 3)).as_matrix()
+  x = np.asarray(kinematics.forward_kinematics(
+      jnp.asarray(local.reshape(2, J, 3, 3), jnp.float32), jnp.asarray(RIG.template(),
+      jnp.float32), RIG.parents)[1])
+  m = {lim: model.create_model(model.ModelConfig(
+      size='tiny', output_space='mixed', heading_canonicalization=True, tilt_limit_deg=lim),
+      RIG, nnx.Rngs(0)) for lim in (None, 0.0)}
+  angles = np.radians(np.arange(0.0, 360.0, 0.5))
+  fwd, lat = np.asarray(RIG.forward), np.asarray(RIG.lateral)
+  for axis in (fwd, lat, (fwd + lat) / np.sqrt(2.0)):
+    W = SciRot.from_rotvec(angles[:, None] * axis).as_matrix()  # [T, 3, 3]
+    for body in x:
+      turned = jnp.asarray(np.einsum('tij,kj->tki', W, body - body[0]), jnp.float32)
+      moved = np.abs(np.diff(np.asarray(turned), axis=0)).max()  # the joints' largest step
+      steps = {lim: np.abs(np.diff(np.asarray(mm.canonical_input(turned)[0]), axis=0)).max()
+               for lim, mm in m.items()}
+      assert steps[None] < 3.0 * moved, (axis, steps, moved)  # measured at most 1.8x
+      if axis is fwd:  # the heading alone: 13-15x as the hips pass through vertical
+        assert steps[0.0] > 6.0 * moved, (steps, moved)
+
+
 def test_the_body_frame_of_a_rest_pose_is_the_identity_and_needs_the_heading():
   x = jnp.asarray(skeleton.rest_positions_np(RIG.template(), RIG.parents), jnp.float32)[None]
   hips = model.hip_pair(RIG)
