@@ -18,7 +18,8 @@ it stopped; the trainer resumes a half-finished run from its latest checkpoint):
               WORKDIR/prior (+ prior_report.json)
   4 evaluate  ikgat, ikgat_calibrated (the same with the subject calibration), iterative (with
               that prior), swing, mean_pose on the test split (val when there is none, train
-              when there is neither) -> WORKDIR/eval/METHOD.json, table.md
+              when there is neither), and ikgat and iterative again with 10 and 20 mm of input
+              noise (ikgat_10mm, ...) -> WORKDIR/eval/METHOD.json, table.md
   5 export    the IK-GAT best checkpoint with its card -> --export (default WORKDIR/checkpoint)
 WORKDIR/train_rig.json records the options and every stage's status; a line is printed when a
 stage starts, finishes or is skipped. A rerun with other training options (--size, --config.*,
@@ -85,7 +86,18 @@ from ik_gat_jax.io.units import parse_units
 
 CONFIG_DIR = Path(__file__).resolve().parent / 'configs'
 STAGES = ('convert', 'ikgat', 'prior', 'evaluate', 'export')
-EVAL_METHODS = ('ikgat', 'ikgat_calibrated', 'iterative', 'swing', 'mean_pose')
+# Clean input, then IK-GAT and the iterative solver with tracker-like noise (Gaussian, per
+# coordinate, seed 0: `experiments.evaluate --noise_mm`): NAME_Nmm.
+EVAL_METHODS = ('ikgat', 'ikgat_calibrated', 'iterative', 'swing', 'mean_pose', 'ikgat_10mm',
+                'iterative_10mm', 'ikgat_20mm', 'iterative_20mm')
+
+
+def eval_row(name: str) -> tuple[str, float]:
+  """An `EVAL_METHODS` row -> (its method, the input noise in mm)."""
+  method, _, noise = name.partition('_')
+  if noise.endswith('mm'):
+    return method, float(noise[:-2])
+  return name, 0.0
 SPLIT_RULES = ('auto', 'subject', 'file')
 MANIFEST = 'train_rig.json'
 Log = Callable[[str], None]
@@ -346,6 +358,10 @@ def _evaluate(o: Options, w: Path, m: Manifest, log: Log, tag: str) -> dict:
                                'subject_calibration': True},
           'iterative': {**base, 'iters': o.iters, 'prior': _best(w / 'prior', 'pose_prior')},
           'swing': base, 'mean_pose': base}
+  for name in EVAL_METHODS:
+    method, noise = eval_row(name)
+    if noise:
+      keys[name] = {**keys[method], 'noise_mm': noise}
   results = {}
   for name in EVAL_METHODS:
     path = out / f'{name}.json'
@@ -368,11 +384,12 @@ def _evaluate(o: Options, w: Path, m: Manifest, log: Log, tag: str) -> dict:
       log(f'{tag} evaluate: {name} already done ({out / (name + ".json")}), skipped')
       continue
     calibrated = name == 'ikgat_calibrated'  # the solver's --subject_calibration
+    kind, noise = eval_row(name)
     method = evaluation.make_method(
-        'ikgat' if calibrated else name, ds.rig,
+        'ikgat' if calibrated else kind, ds.rig,
         train_data=train_data if name == 'mean_pose' else None,
         checkpoint=w / 'ikgat', prior=w / 'prior', solver=iterative_ik.SolverConfig(iters=o.iters))
-    r = evaluation.evaluate(method, ds, ds.rig, max_frames=o.eval_frames,
+    r = evaluation.evaluate(method, ds, ds.rig, max_frames=o.eval_frames, noise_mm=noise,
                             subject_calibration=calibrated)
     r.update(command=provenance.command_line(), train_rig_key=keys[name])
     atomic.write_json(out / f'{name}.json', r)
@@ -397,7 +414,9 @@ def results_table(results: dict, ds) -> str:
       '`--subject_calibration` (ik_gat_jax/subject_calibration.py); iterative: the VPoser-style '
       'solver with '
       'this run\'s prior; swing: swing-only IK (a floor); mean_pose: the mean training pose (a '
-      'floor). Local rotation errors in degrees, MPJPE in mm (DESIGN section 7).'])
+      'floor); _10mm, _20mm: the same method with Gaussian noise of that sigma per coordinate '
+      'on the input positions, as from a tracker (seed 0; `experiments.evaluate --noise_mm`). '
+      'Local rotation errors in degrees, MPJPE in mm (DESIGN section 7).'])
 
 
 def solve_command(export: Path, summary: dict, o: Options) -> str:

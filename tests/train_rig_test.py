@@ -105,6 +105,14 @@ def test_every_stage_writes_sane_outputs(rig_run):
   assert results['iterative']['settings']['prior'] == str(w / 'prior')
   assert results['ikgat_calibrated']['subject_calibration']
   assert not results['ikgat']['subject_calibration']
+  for m in train_rig.EVAL_METHODS:  # the noisy rows: the same method, the noise as named
+    method, noise = train_rig.eval_row(m)
+    assert results[m]['noise_mm'] == noise and results[m]['method'] == (
+        'ikgat' if m == 'ikgat_calibrated' else method), m
+  assert {m for m in results if results[m]['noise_mm'] > 0} == {
+      'ikgat_10mm', 'iterative_10mm', 'ikgat_20mm', 'iterative_20mm'}
+  for m in ('ikgat', 'iterative'):  # the noise reached the input (20 steps: no accuracy yet)
+    assert results[f'{m}_20mm']['local_rot_err_deg'] != results[m]['local_rot_err_deg'], m
   table = (w / 'eval' / 'table.md').read_text()
   assert all(f'| {m} | 66 |' in table for m in train_rig.EVAL_METHODS), table
   # 5: the exported checkpoint loads, its card has the metrics, data provenance and solve line.
@@ -407,6 +415,6 @@ def test_higher_steps_train_further_and_redo_only_what_depends_on_them(rig_run, 
   assert any(ln.startswith('[3/5] prior: already done') for ln in lines), lines
   redone = [m for m in train_rig.EVAL_METHODS if any(
       ln.startswith(f'[4/5] evaluate: {m}: local') for ln in lines)]
-  assert redone == ['ikgat', 'ikgat_calibrated'], lines
+  assert redone == ['ikgat', 'ikgat_calibrated', 'ikgat_10mm', 'ikgat_20mm'], lines
   assert all(manifest['stages'][s]['status'] == 'done' for s in train_rig.STAGES)
   assert manifest['configs']['ikgat']['train']['steps'] == 25
