@@ -90,6 +90,9 @@ STAGES = ('convert', 'ikgat', 'prior', 'evaluate', 'export')
 # coordinate, seed 0: `experiments.evaluate --noise_mm`): NAME_Nmm.
 EVAL_METHODS = ('ikgat', 'ikgat_calibrated', 'iterative', 'swing', 'mean_pose', 'ikgat_10mm',
                 'iterative_10mm', 'ikgat_20mm', 'iterative_20mm')
+SPLIT_RULES = ('auto', 'subject', 'file')
+MANIFEST = 'train_rig.json'
+Log = Callable[[str], None]
 
 
 def eval_row(name: str) -> tuple[str, float]:
@@ -98,9 +101,6 @@ def eval_row(name: str) -> tuple[str, float]:
   if noise.endswith('mm'):
     return method, float(noise[:-2])
   return name, 0.0
-SPLIT_RULES = ('auto', 'subject', 'file')
-MANIFEST = 'train_rig.json'
-Log = Callable[[str], None]
 
 
 def _print(msg: str) -> None:
