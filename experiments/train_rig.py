@@ -261,12 +261,34 @@ def _conversion(o: Options, w: Path, m: Manifest) -> tuple[list, dict]:
                        f'({len(new)} new, {len(gone)} missing, {len(changed)} changed): use a new '
                        '--workdir')
     old = m.key('convert')
+    if old is not None and old != key and _same_units(old, key, shards):
+      key = dict(key, units=old['units'])  # --units=cm where the conversion's auto found cm
     if old not in (None, key):
       was = ', '.join(f'--{k}={old.get(k)}' if old.get(k) is not None else f'no --{k}'
                       for k in key if k != 'files' and old.get(k) != key[k])
       raise ValueError(f'{shards} was converted with {was}: rerun with that, or use a new '
                        '--workdir')
   return files, key
+
+
+def _same_units(old: dict, key: dict, shards: Path) -> bool:
+  """Whether conversion keys `old` and `key` differ at most in `units`, each naming the metres
+  per file unit the conversion of `shards` used (`--units=auto` there: what it resolved to)."""
+  if {k for k in set(old) | set(key) if old.get(k) != key.get(k)} != {'units'}:
+    return False
+  try:
+    used = json.loads((shards / 'summary.json').read_text())['runs'][-1]['units_m']
+  except (OSError, ValueError, KeyError, IndexError):
+    return False
+  for units in (old['units'], key['units']):
+    if isinstance(units, str) and units.strip().lower() == 'auto':
+      continue
+    try:
+      if not math.isclose(parse_units(units), used, rel_tol=1e-9):
+        return False
+    except ValueError:
+      return False
+  return True
 
 
 def _convert(o: Options, w: Path, m: Manifest, log: Log, tag: str, files: list,

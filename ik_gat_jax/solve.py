@@ -4,7 +4,7 @@ r"""Solve joint positions to joint rotations from the command line (DESIGN secti
       [--offsets_from=BVH] [--units=m] [--input_axes=x,y,z] [--fps=30] \
       [--joint_map=JSON] [--reference_pose=zero|first_frame] \
       [--estimate_lengths | --fit_offsets] \
-      [--bvh_units=UNITS] \
+      [--bvh_units=UNITS] [--joint_names=input|rig] \
       [--overwrite] [--plot=PNG --plot_frames=0,10,20] [--clip=GIF_OR_DIR] [--smpl_npz=FILE] \
       [--filter=none|one_euro --filter_min_cutoff=HZ --filter_beta=B] [--subject_calibration]
   ik-gat solve ...                                     (the same, as a console script)
@@ -13,8 +13,9 @@ Input by extension: .npz (`positions [T, J, 3]`), .csv (one frame per row, J x 3
 rig order, header optional), .bvh (joint positions by FK, the file's own rest offsets; where
 its joint map or --reference_pose names a natural pose other than the rig's, its joints' frames
 in it make the rotations the file's own: `skeleton.with_reference_pose`). Output
-by extension: .bvh (the rig with the subject's offsets, animated, in the rig's joint names; for
-a BVH input in its units and, per joint, the rotation channel order of the source joint it maps
+by extension: .bvh (the rig with the subject's offsets, animated, its joints named as the input
+named them: a namespace, `Anna:Hips`, and a joint map's source names kept; --joint_names=rig for
+the rig's names; for a BVH input in its units and, per joint, the rotation channel order of the source joint it maps
 from (ZYX for a joint without one) and, where it has its offsets, with its leaves' End Sites
 and its constant-rotation joints the rig left out written back (its hierarchy), else
 centimetres, ZYX and End Sites along the leaves; --bvh_units=cm|m|inch|NUMBER sets the units;
@@ -22,8 +23,8 @@ the root's OFFSET 0, the angles continuous over frames), .npz (rotations, FK
 positions, offsets and whose: `offsets_source`; `input_missing` where joints were NaN),
 .smpl.npz
 (SMPL axis-angle pose parameters `[T, 66]`, smpl22 rig only; --smpl_world=amass for AMASS's
-z-up world), .glb (glTF 2.0 binary: the rig as nodes, the motion as animation, a box body
-skinned to it; io/gltf.py),
+z-up world), .glb (glTF 2.0 binary: the rig as nodes named as the .bvh's joints, the motion as
+animation, a box body skinned to it; io/gltf.py),
 .fbx (the same GLB converted by headless Blender, which must be on PATH; io/blender.py).
 Every output is written to a temp file and renamed once everything succeeded; an existing output is
 refused without --overwrite; every error is one line on stderr with exit status 2 (bones 4x
@@ -125,7 +126,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                trackers: str = 'full', orientations: str | None = None,
                end_sites: str | None = None, matmul_precision: str = 'float32',
                hold_missing: bool = False, subject_calibration: bool = False,
-               reference_pose: str | None = None, size_normalization: bool = True) -> dict:
+               reference_pose: str | None = None, size_normalization: bool = True,
+               joint_names: str = 'input') -> dict:
   """Reads `input`, solves, writes `output` (+ `smpl_npz`, `plot`, `clip`); returns a summary.
 
   `rig` (a name or rig JSON) refuses a checkpoint for another rig. Offsets (the subject R is
@@ -163,6 +165,9 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   A .bvh `output` is in `bvh_units` (metres per file unit or a name: cm, m, inch, ...; default:
   a BVH input's own units, else cm) with a BVH input's rotation channel order per joint (the
   source joint's, ZYX without one; ZYX for other inputs).
+  `joint_names`: 'input' (a .bvh, .glb or .fbx `output` names the joints as the input did,
+  where it named them: its namespace, `Anna:Hips`, and a joint map's source names; an npz
+  records them as `input_joint_names`) or 'rig' (the rig's names; `exports.output_names`).
   """
   t0 = time.perf_counter()
   if fps is not None and not (math.isfinite(fps) and fps > 0):
@@ -171,6 +176,9 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   exports.check_output(output, overwrite)
   if bvh_units is not None:
     exports.bvh_metres_per_unit(bvh_units)  # refuse before solving
+  if joint_names not in exports.JOINT_NAMES:
+    raise InputError(f'--joint_names must be one of {", ".join(exports.JOINT_NAMES)}, got '
+                     f'{joint_names!r}')
   if kind == 'fbx':
     blender.require_blender('FBX output')  # refuse before solving
   for extra in (smpl_npz, plot, clip):
@@ -245,8 +253,10 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                      units=None if source.metres_rig else units, input_axes=M, full=True,
                      check=not source.metres_rig, progress=progress, mask=mask,
                      orientations=orient, end_sites=ends)
+  names, removed = exports.output_names(source, rig, joint_names)
   bvh_out = _bvh_output(source, bvh_units, rig,
-                        own_offsets=offsets_source == 'input' and not estimate_lengths)
+                        own_offsets=offsets_source == 'input' and not estimate_lengths,
+                        removed=removed)
   with exports.staged([output, smpl_npz, plot, clip], overwrite) as (out, smpl, png, frames):
     record = {'offsets_source': offsets_source + (', lengths estimated' if estimate_lengths
                                                   else ''),
@@ -254,7 +264,9 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
                                                  else solver_lib.parse_units(units))}
     if source.reference is not None:
       record['reference_pose'] = source.reference
-    _write_main(kind, out, sol, rig, rate, bvh_out, smpl_world, solver, record, missing)
+    if names is not None:
+      record['input_joint_names'] = np.asarray(names)
+    _write_main(kind, out, sol, rig, rate, bvh_out, smpl_world, solver, record, missing, names)
     if smpl is not None:
       exports.write_smpl_npz(smpl, sol, rig, rate, world=smpl_world)
     _write_pictures(png, frames, sol, rig, rate, plot_frames, clip_frames)
@@ -285,20 +297,21 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   return summary
 
 
-def _bvh_output(source, bvh_units: str | float | None, rig, own_offsets: bool
+def _bvh_output(source, bvh_units: str | float | None, rig, own_offsets: bool, removed=None
                 ) -> tuple[float, tuple[str, ...], np.ndarray | None, tuple | None]:
   """(metres per file unit, rotation order per rig joint, End Sites, removed joints) of an
   output BVH: `bvh_units`, else a BVH input's own units, else cm; a BVH input's orders
   (`PositionsFile.bvh_orders`), else ZYX; a BVH input's End Sites and the joints its reduction
   removed where the output stands on its offsets (`own_offsets`; `PositionsFile.
-  end_site_offsets`, `bvh_removed`), else None (the writer's End Sites, the rig's joints)."""
+  end_site_offsets`, and `removed`, `bvh_removed` as `exports.output_names` names them), else
+  None (the writer's End Sites, the rig's joints)."""
   if bvh_units is None and source.bvh_units_m is not None:
     units_m = source.bvh_units_m
   else:
     units_m = exports.bvh_metres_per_unit(bvh_units)
   return (units_m, exports.check_rotation_orders(source.bvh_orders, rig),
           source.end_site_offsets if own_offsets else None,
-          source.bvh_removed if own_offsets else None)
+          removed if own_offsets else None)
 
 
 def _describe_orders(orders) -> str:
@@ -343,22 +356,23 @@ def _end_sites(solver, end_sites: str | None, source) -> np.ndarray | None:
 
 
 def _write_main(kind, path, sol, rig, fps, bvh_out, smpl_world, solver, record: dict,
-                missing=None) -> None:
+                missing=None, names=None) -> None:
   """The main output; an npz also records the checkpoint, `record` (`offsets_source`,
   `input_axes [3, 3]` and `input_units_m`: how the input was converted to the rig's metres
   and axes, `reference_pose [J, 3, 3]` where the input named one), the frame's `units` ('m'),
   `up` and `forward` (the rig's axes) and `input_missing [T, J]` where `missing` (the input's
-  NaN joints, held or masked in the solution's `positions`) has any."""
+  NaN joints, held or masked in the solution's `positions`) has any. `names`: the joints' names
+  in a .bvh, .glb or .fbx (default the rig's)."""
   if kind == 'bvh':
     units_m, orders, end_sites, removed = bvh_out
     exports.write_solution_bvh(path, sol, rig, fps, units=units_m, orders=orders,
-                               end_sites=end_sites, removed=removed)
+                               end_sites=end_sites, removed=removed, names=names)
   elif kind == 'smpl':
     exports.write_smpl_npz(path, sol, rig, fps, world=smpl_world)
   elif kind == 'glb':
-    exports.write_solution_glb(path, sol, rig, fps)
+    exports.write_solution_glb(path, sol, rig, fps, names=names)
   elif kind == 'fbx':
-    exports.write_solution_fbx(path, sol, rig, fps)
+    exports.write_solution_fbx(path, sol, rig, fps, names=names)
   else:
     extra = {'checkpoint': np.asarray(str(solver.source)), 'units': np.asarray('m'),
              'up': np.asarray(rig.up, np.float32), 'forward': np.asarray(rig.forward, np.float32),
@@ -425,6 +439,10 @@ def define_flags() -> None:
   s('smpl_npz', None, 'Also write SMPL pose parameters [T, 66] here (smpl22 rig).')
   flags.DEFINE_enum('smpl_world', 'rig', ['rig', 'amass'], 'World of the SMPL root orientation '
                     'and trans: the rig\'s y-up (SMPL model frame) or AMASS\'s z-up.')
+  flags.DEFINE_enum('joint_names', 'input', list(exports.JOINT_NAMES), 'How a .bvh, .glb or '
+                    '.fbx output names the joints: input (as the input named them, where it '
+                    'did: its namespace, Anna:Hips, and a joint map\'s source names, so a tool '
+                    'that binds animation to bones by name finds them) or rig (the rig\'s).')
   s('bvh_units', None, 'Units of an output BVH: cm, m, mm, inch, ... or metres per file unit '
     '(default: a BVH input\'s own units, else cm). Its rotation channels follow a BVH input\'s '
     'order per joint (ZYX otherwise).')
@@ -529,7 +547,8 @@ def main(argv) -> None:
                  filter_d_cutoff=F.filter_d_cutoff, trackers=F.trackers,
                  orientations=F.orientations, end_sites=F.end_sites,
                  hold_missing=F.hold_missing, subject_calibration=F.subject_calibration,
-                 reference_pose=F.reference_pose, size_normalization=F.size_normalization)
+                 reference_pose=F.reference_pose, size_normalization=F.size_normalization,
+                 joint_names=F.joint_names)
   except (ValueError, KeyError, OSError, CheckpointError) as e:
     text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip()
     _stderr(f'error: {text.splitlines()[0] if text else type(e).__name__}')

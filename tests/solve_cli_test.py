@@ -5,6 +5,7 @@ Most cases call `solve_file` in-process (the main is a thin flag parser around i
 """
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -478,3 +479,68 @@ def test_an_npz_s_offsets_are_in_its_units_and_axes_and_the_npz_says_its_frame(
     assert str(z['offsets_source']) == 'input, lengths estimated'
   with pytest.raises(InputError, match='--fps must be a positive frame rate, got 0'):
     solve.solve_file(tmp_path / 'm.npz', tmp_path / 'zero.npz', checkpoint=ckpt, fps=0.0)
+
+
+def _glb_node_names(path: Path) -> list[str]:
+  import pygltflib  # noqa: PLC0415 (the GLB reader, only here)
+  return [n.name for n in pygltflib.GLTF2().load(str(path)).nodes]
+
+
+@pytest.mark.filterwarnings('ignore:up axis looks wrong')  # an untrained model's poses
+def test_outputs_name_the_joints_as_the_input_did(ckpt, cmu_dir, tmp_path):
+  """A namespaced file (`Anna:Hips`) and one whose joints are renamed (read through a joint
+  map) solve to a BVH, GLB and npz that name every joint as the input did, the BVH's removed
+  joints too, so a tool that binds animation by bone name finds the input's; otherwise the
+  same files as the bare input's (`--joint_names=rig`: the rig's names)."""
+  m = bvh.read_bvh(cmu_dir / '07_05.bvh')
+  m = dataclasses.replace(m, motion=m.motion[:6])
+  rename = lambda space, suffix: dataclasses.replace(m, joints=[  # noqa: E731
+      dataclasses.replace(j, name=space + j.name + suffix) for j in m.joints])
+  bvh.write_bvh(tmp_path / 'bare.bvh', m, precision=None)
+  bvh.write_bvh(tmp_path / 'ns.bvh', rename('Anna:', ''), precision=None)
+  bvh.write_bvh(tmp_path / 'jnt.bvh', rename('', '_jnt'), precision=None)
+  doc = json.loads((REPO / 'ik_gat_jax/io/joint_maps/cmu_body.json').read_text())
+  doc.pop('$schema')
+  doc['joints'] = {k + '_jnt': v for k, v in doc['joints'].items()}
+  doc['prune'] = [k + '_jnt' for k in doc['prune']]
+  doc['mirror_pairs'] = [[a + '_jnt', b + '_jnt'] for a, b in doc['mirror_pairs']]
+  (tmp_path / 'jnt.json').write_text(json.dumps(doc))
+  out = {}
+  for name, kw in (('bare', {}), ('ns', {}), ('jnt', {'joint_map': str(tmp_path / 'jnt.json')}),
+                   ('ns_rig', {'joint_names': 'rig'})):
+    src = tmp_path / f'{name.split("_")[0]}.bvh'
+    for ext in ('bvh', 'glb', 'npz'):
+      solve.solve_file(src, tmp_path / f'{name}_out.{ext}', checkpoint=ckpt, log=_quiet, **kw)
+    out[name] = (tmp_path / f'{name}_out.bvh').read_text()
+  bare = bvh.read_bvh(tmp_path / 'bare_out.bvh')
+  assert 'LHipJoint' in bare.names  # a removed joint, written back
+  ns, jnt = bvh.read_bvh(tmp_path / 'ns_out.bvh'), bvh.read_bvh(tmp_path / 'jnt_out.bvh')
+  assert ns.names == tuple('Anna:' + n for n in bare.names)
+  assert jnt.names == tuple(n + '_jnt' for n in bare.names)
+  assert set(jnt.names) < set(bvh.read_bvh(tmp_path / 'jnt.bvh').names)
+  assert out['ns'].replace('Anna:', '') == out['bare'] == out['ns_rig']
+  assert out['jnt'].replace('_jnt', '') == out['bare']
+  rig_names = list(skeleton.cmu_body().joint_names)
+  J = len(rig_names)
+  assert _glb_node_names(tmp_path / 'ns_out.glb')[:J] == ['Anna:' + n for n in rig_names]
+  assert _glb_node_names(tmp_path / 'jnt_out.glb')[:J] == [n + '_jnt' for n in rig_names]
+  assert _glb_node_names(tmp_path / 'ns_rig_out.glb')[:J] == rig_names
+  with np.load(tmp_path / 'ns_out.npz') as a, np.load(tmp_path / 'bare_out.npz') as b:
+    assert list(a['joint_names']) == rig_names and 'input_joint_names' not in b
+    assert list(a['input_joint_names']) == ['Anna:' + n for n in rig_names]
+    np.testing.assert_array_equal(a['local_rot'], b['local_rot'])
+  # The namespaced output read back (CMU's units, as the bare one's): the bare names' joints.
+  solve.solve_file(tmp_path / 'ns_out.bvh', tmp_path / 'back.npz', checkpoint=ckpt,
+                   units='cmu', log=_quiet)
+  with np.load(tmp_path / 'back.npz') as a, np.load(tmp_path / 'ns_out.npz') as b:
+    np.testing.assert_allclose(a['positions'], b['positions_fk'], atol=2e-5)
+  # A CSV header's namespace and an npz's joint names name the joints too.
+  pos = np.load(tmp_path / 'bare_out.npz')['positions']
+  header = ','.join(f'Ben:{n}_{a}' for n in rig_names for a in 'xyz')
+  np.savetxt(tmp_path / 'ben.csv', pos.reshape(len(pos), -1), delimiter=',', header=header,
+             comments='')
+  solve.solve_file(tmp_path / 'ben.csv', tmp_path / 'ben.bvh', checkpoint=ckpt, log=_quiet)
+  assert bvh.read_bvh(tmp_path / 'ben.bvh').names == tuple('Ben:' + n for n in rig_names)
+  with pytest.raises(InputError, match='--joint_names must be one of input, rig'):
+    solve.solve_file(tmp_path / 'ben.csv', tmp_path / 'x.bvh', checkpoint=ckpt, log=_quiet,
+                     joint_names='theirs')

@@ -139,6 +139,24 @@ def test_rerun_skips_every_finished_stage(rig_run):
   assert '(5 of 5 stages already done)' in lines[-1]
 
 
+def test_units_that_name_what_auto_found_are_the_same_conversion(rig_run):
+  """A run converted with --units=auto (here the joint map's CMU units) goes on when rerun with
+  the units that resolved to (by name or number): every stage skipped, the conversion's record
+  unchanged; other units are refused naming the conversion's."""
+  options, _, _ = rig_run
+  record = Path(options.workdir) / train_rig.MANIFEST
+  convert = lambda: json.loads(record.read_text())['stages']['convert']['key']  # noqa: E731
+  before = convert()
+  assert before['units'] == 'auto'
+  for units in ('cmu', '0.056444'):
+    lines = []
+    train_rig.run(dataclasses.replace(options, units=units), log=lines.append)
+    assert '(5 of 5 stages already done)' in lines[-1], (units, lines)
+    assert convert() == before, units
+  with pytest.raises(ValueError, match=r'was converted with --units=auto: rerun with that'):
+    train_rig.run(dataclasses.replace(options, units='cm'), log=lambda m: None)
+
+
 def test_other_files_in_the_same_workdir_are_refused(rig_run, tmp_path):
   options, _, _ = rig_run
   (tmp_path / '07_12.bvh').symlink_to(Path(options.bvh) / '07_12.bvh')

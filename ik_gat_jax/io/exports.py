@@ -172,7 +172,11 @@ class PositionsFile:
   `[J, 3, 3]` the world frames (rig world) of its joints in the rig's natural pose where its joint
   map names one (`reference_pose`: its zero pose is another pose; `skeleton.with_reference_pose`),
   else None; None otherwise; first_dropped: the name of the joint map that left the file's first
-  frame out (its T-pose frame: cgspeed CMU), else None."""
+  frame out (its T-pose frame: cgspeed CMU), else None; names: per rig joint the input's own
+  name for it where the input names its joints (a BVH's source joint through its joint map, an
+  npz's `joint_names`, a CSV header's), namespace included (`Anna:Hips`), else None; namespace:
+  the one every name of the input carried ('' for none), which a BVH's `bvh_removed` joints
+  lack (`output_names`)."""
   positions: np.ndarray
   offsets: np.ndarray | None = None
   fps: float | None = None
@@ -184,6 +188,30 @@ class PositionsFile:
   bvh_units_m: float | None = None
   reference: np.ndarray | None = None
   first_dropped: str | None = None
+  names: tuple[str, ...] | None = None
+  namespace: str = ''
+
+
+JOINT_NAMES = ('input', 'rig')
+
+
+def output_names(source: PositionsFile, rig: Rig, which: str = 'input'
+                 ) -> tuple[tuple[str, ...] | None, tuple | None]:
+  """(joint names of an output's rig joints or None for the rig's, the BVH's removed joints
+  `source.bvh_removed` named to match): `which` 'input' names every joint as the input did (a
+  BVH's own names and namespace, `Anna:Hips`, so a tool that binds animation to bones by name
+  finds the input's skeleton), 'rig' as the rig does (the removed joints by their bare names)."""
+  if which not in JOINT_NAMES:
+    raise InputError(f'joint_names must be one of {", ".join(JOINT_NAMES)}, got {which!r}')
+  removed = source.bvh_removed
+  if which == 'rig' or source.names is None or (
+      tuple(source.names) == tuple(rig.joint_names) and not source.namespace):
+    return None, removed
+  if removed is not None and source.namespace:  # removed[0] is the root's `()`
+    removed = tuple(
+        (tuple((source.namespace + name, *rest) for name, *rest in entry[0]), *entry[1:])
+        if entry and entry[0] else entry for entry in removed)
+  return tuple(source.names), removed
 
 
 def read_positions(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = None,
@@ -200,7 +228,9 @@ def read_positions(path: str | os.PathLike, rig: Rig, *, joint_map: str | None =
   if ext == '.npz':
     return read_positions_npz(path, rig)
   if ext == '.csv':
-    return PositionsFile(read_positions_csv(path, rig))
+    table, space = _read_csv(path, rig)
+    return PositionsFile(table, names=None if space is None else tuple(
+        space + n for n in rig.joint_names), namespace=space or '')
   if ext == '.bvh':
     return read_bvh_clip(path, rig, joint_map=joint_map, units=bvh_units, fps=bvh_fps,
                          reference_pose=reference_pose)
@@ -217,12 +247,14 @@ def read_positions_npz(path: str | os.PathLike, rig: Rig) -> PositionsFile:
     names = [str(n) for n in z['joint_names']] if 'joint_names' in keys else None
     fps = float(z['fps']) if 'fps' in keys else None
     offsets = np.asarray(z['offsets'], np.float64) if 'offsets' in keys else None
-  if names is not None:
-    order = _order_by_names(names, rig, f'{path}: joint_names')
-    pos = pos[..., order, :] if pos.ndim >= 2 and pos.shape[-2] == len(names) else pos
-    if offsets is not None and offsets.shape == (len(names), 3):
-      offsets = offsets[order]
-  return PositionsFile(pos, offsets, fps)
+  if names is None:
+    return PositionsFile(pos, offsets, fps)
+  order = _order_by_names(names, rig, f'{path}: joint_names')
+  pos = pos[..., order, :] if pos.ndim >= 2 and pos.shape[-2] == len(names) else pos
+  if offsets is not None and offsets.shape == (len(names), 3):
+    offsets = offsets[order]
+  return PositionsFile(pos, offsets, fps, names=tuple(names[k] for k in order),
+                       namespace=bvh.namespace(names))
 
 
 def _order_by_names(names: Sequence[str], rig: Rig, what: str) -> list[int]:
@@ -259,16 +291,22 @@ def _csv_fields(line: str, expected: int) -> list[str]:
 
 def read_positions_csv(path: str | os.PathLike, rig: Rig) -> np.ndarray:
   """`[T, J, 3]` from one frame per row (module docstring)."""
+  return _read_csv(path, rig)[0]
+
+
+def _read_csv(path: str | os.PathLike, rig: Rig) -> tuple[np.ndarray, str | None]:
+  """(`read_positions_csv`, the namespace of a header that names the joints, '' for none, or
+  None where no header names them)."""
   lines = [(i + 1, line) for i, line in enumerate(Path(path).read_text().splitlines())
            if line.strip() and not line.lstrip().startswith('#')]
   if not lines:
     raise InputError(f'{path}: no rows')
   J = rig.num_joints
-  header, order, width = None, None, 3 * J
+  header, order, width, space = None, None, 3 * J, None
   first = _csv_fields(lines[0][1], width)
   if not all(f == '' or _is_number(f) for f in first):
     header, lines = first, lines[1:]
-    order = _header_order(header, rig, path)
+    order, space = _header_order(header, rig, path)
     if order is not None:  # named columns: the others (an index, a time) are left out
       width = len(header)
   rows = []
@@ -287,25 +325,25 @@ def read_positions_csv(path: str | os.PathLike, rig: Rig) -> np.ndarray:
   if not rows:
     raise InputError(f'{path}: a header but no frames')
   table = np.asarray(rows, np.float64)
-  return (table if order is None else table[:, order]).reshape(len(rows), J, 3)
+  return (table if order is None else table[:, order]).reshape(len(rows), J, 3), space
 
 
-def _header_order(header: list[str], rig: Rig, path) -> list[int] | None:
-  """The header's columns of the rig's joints' x, y, z, in rig order, when it names them
-  (`<rig joint>_<axis>`; other fields, such as a pandas index or a time, are left out), else
-  None (an opaque header: columns are taken in rig order)."""
+def _header_order(header: list[str], rig: Rig, path) -> tuple[list[int] | None, str | None]:
+  """(The header's columns of the rig's joints' x, y, z, in rig order, and the namespace its
+  joint names carry) when it names them (`<rig joint>_<axis>`; other fields, such as a pandas
+  index or a time, are left out), else (None, None): an opaque header, columns in rig order."""
   parsed = [re.fullmatch(r'(.+?)[_.:]([xyzXYZ])', h) for h in header]
   space = bvh.namespace([m.group(1) for m in parsed if m])  # 'Anna:Hips_x': as a BVH's joints
   named = [(m.group(1)[len(space):], m.group(2).lower()) if m else None for m in parsed]
   index = {f: k for k, f in enumerate(named) if f and f[0] in rig.joint_names}
   if not index:
-    return None
+    return None, None
   need = [(n, a) for n in rig.joint_names for a in 'xyz']
   missing = [f'{n}_{a}' for n, a in need if (n, a) not in index]
   if missing:
     raise InputError(f'{path}: header lacks columns {", ".join(missing[:6])}'
                      f'{" ..." if len(missing) > 6 else ""}')
-  return [index[k] for k in need]
+  return [index[k] for k in need], space
 
 
 def _axis_name(v: Sequence[float]) -> str:
@@ -387,8 +425,10 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
   if reference_pose not in (None,) + retarget.REFERENCE_POSES:
     raise InputError(f'reference_pose must be one of {", ".join(retarget.REFERENCE_POSES)}, '
                      f'got {reference_pose!r}')
-  motion = bvh.strip_namespace(bvh.read_bvh(path))  # 'mocap:Hips' -> 'Hips' (io/bvh.py)
+  raw = bvh.read_bvh(path)
+  motion = bvh.strip_namespace(raw)  # 'mocap:Hips' -> 'Hips' (io/bvh.py)
   jmap = bvh_joint_map(motion, rig, joint_map, units)
+  space, source = bvh.namespace(raw.names), {r: src for src, r in jmap.joints}
   if reference_pose is not None or isinstance(jmap.reference_pose, str):
     # A joint map's 'first_frame' meant the first file of its conversion (the rig's reference
     # pose already), not this clip's first frame: only `reference_pose` says so of this clip.
@@ -419,7 +459,9 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
                        bvh_removed=removed_joints(motion, out),
                        bvh_orders=source_rotation_orders(motion, jmap, rig),
                        bvh_units_m=jmap.units, reference=F,
-                       first_dropped=jmap.name if first else None)
+                       first_dropped=jmap.name if first else None,
+                       names=tuple(space + source.get(n, n) for n in rig.joint_names),
+                       namespace=space)
 
 
 def removed_joints(motion: bvh.BVHMotion, reduced: retarget.ReducedMotion) -> tuple | None:
@@ -555,7 +597,8 @@ def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarra
                  fps: float, units: str | float = DEFAULT_BVH_UNITS,
                  orders: Sequence[str] | None = None,
                  end_sites: np.ndarray | None = None,
-                 removed: tuple | None = None) -> bvh.BVHMotion:
+                 removed: tuple | None = None,
+                 names: Sequence[str] | None = None) -> bvh.BVHMotion:
   """The rig animated by `local_rot [T, J, 3, 3]`, root at `root_pos [T, 3]` (metres), on
   `offsets [J, 3]` (metres), in `units` (metres per file unit or a name: 'cm', 'm', 'inch',
   ...), joint j's rotation channels in `orders[j]` (rig order, e.g. 'XZY'; default ZYX).
@@ -565,6 +608,7 @@ def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarra
   input BVH's joints its reduction removed (`PositionsFile.bvh_removed`, on the input's own
   offsets): written back between their rig joints with their constant rotations, so the file
   has the input's hierarchy (less its pruned subtrees) and its joints the input's rotations.
+  `names`: the rig joints' names in the file (default the rig's; `output_names`).
 
   The root's OFFSET is 0 0 0 and its position channels its world position: readers that add
   the root's OFFSET to them (three.js's BVHLoader) and those that do not (Blender, Assimp, this
@@ -572,6 +616,7 @@ def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarra
   so a tool that interpolates channels does not spin a joint between frames."""
   k = 1.0 / bvh_metres_per_unit(units)
   orders = check_rotation_orders(orders, rig)
+  names = _check_names(names, rig)
   local_rot = np.asarray(local_rot)
   T = local_rot.shape[0]
   ends = _end_sites(offsets, rig, end_sites)
@@ -594,7 +639,7 @@ def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarra
     kids.setdefault(above, []).append(('rig', j))
     R = local_rot[:, j] if not chain else np.swapaxes(C, -1, -2) @ local_rot[:, j]
     off = (None if p < 0 else np.asarray(own if chain else offsets[j], np.float64))
-    spec[('rig', j)] = (rig.joint_names[j], off, R, orders[j], ends[j])
+    spec[('rig', j)] = (names[j], off, R, orders[j], ends[j])
   nodes, stack = [], [('rig', 0)]
   while stack:  # depth first: every node's subtree contiguous
     node = stack.pop()
@@ -615,6 +660,17 @@ def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarra
   motion = np.concatenate([np.asarray(root_pos, np.float64) * k,
                            angles.reshape(len(angles), -1)], axis=1)
   return bvh.BVHMotion(joints=joints, frame_time=1.0 / fps, motion=motion)
+
+
+def _check_names(names: Sequence[str] | None, rig: Rig) -> tuple[str, ...]:
+  """`names` (default the rig's joint names) as a file's joint names: one per rig joint, each
+  distinct, non-empty and without whitespace at either end or a line break."""
+  names = tuple(rig.joint_names if names is None else (str(n) for n in names))
+  bad = [n for n in names if not n or n != n.strip() or '\n' in n or '\r' in n]
+  if len(names) != rig.num_joints or bad or len(set(names)) != len(names):
+    raise InputError(f'joint names must be {rig.num_joints} distinct names (one per joint of rig '
+                     f'{rig.name!r}), got {len(names)}' + (f' with {bad[0]!r}' if bad else ''))
+  return names
 
 
 def _float32_digits(values: np.ndarray) -> np.ndarray:
@@ -648,12 +704,13 @@ def write_solution_bvh(path: str | os.PathLike, sol, rig: Rig, fps: float,
                        units: str | float = DEFAULT_BVH_UNITS, overwrite: bool = True,
                        orders: Sequence[str] | None = None,
                        end_sites: np.ndarray | None = None,
-                       removed: tuple | None = None) -> None:
+                       removed: tuple | None = None,
+                       names: Sequence[str] | None = None) -> None:
   """`solution_bvh` of a `solver.Solution` (units, per-joint rotation orders, the leaves' End
-  Sites, the input's removed joints written back), written atomically."""
+  Sites, the input's removed joints written back, the joints' names), written atomically."""
   path = check_output(path, overwrite)
   motion = solution_bvh(sol.local_rot, sol.positions_fk[:, 0], sol.offsets, rig, fps, units,
-                        orders, end_sites, removed)
+                        orders, end_sites, removed, names)
   bvh.write_bvh(path, motion)
 
 
