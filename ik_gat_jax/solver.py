@@ -67,7 +67,8 @@ Input checks (`check_positions`, `check_plausibility`): wrong shape or joint cou
 raise `InputError` (a ValueError) naming the expected joints or the frame and joint; bone
 lengths ~100x (or 0.01x) the template's and a head below the pelvis on average warn with the
 likely fix (`--units`, `--input_axes`), attributed to the caller's line; a single frame's
-kind of warning is said once per solver (a live loop calling `solve`). `step` and
+kind of warning is said once per solver (a live loop calling `solve`); float16 positions
+warn that they carry 1 mm steps at 1 m (`exports.warn_half_precision`). `step` and
 `solve_stream` run the cheap hard checks (shape, finite) on every frame and the warnings on a
 stream's first whole frame only (after `reset()`: `_check_stream`). Offsets whose bones are 4x
 the template's or under a quarter are refused (`check_offsets_size`).
@@ -240,6 +241,8 @@ def check_positions(positions, rig: Rig, allow_missing: bool = False
     arr = np.asarray(positions)
     if arr.dtype.kind not in 'iuf':  # no strings parsed, no imaginary parts dropped
       raise TypeError(f'positions are {arr.dtype} values, not real numbers')
+    if arr.dtype == np.float16:
+      exports.warn_half_precision(arr.dtype)
     arr = arr.astype(np.float64, copy=False)
   except (TypeError, ValueError) as e:
     raise InputError(f'positions are not a numeric array: {e}') from None

@@ -1,6 +1,6 @@
 """The solver's input checks (issue I, item 6): each bad input raises `InputError` with its reason.
 
-One test per check: non-numeric input, zero frames, wrong offsets shape, a zero-length bone,
+One test per check: non-numeric input, float16 (a warning), zero frames, wrong offsets shape, a zero-length bone,
 fps <= 0, negative units, offsets and offsets_from both given, `step()` with several frames, a
 stream item larger than block_size, block_size < 1, an axes matrix that is not a signed
 permutation. Every check fails before anything is compiled, so the shipped model loads once
@@ -9,12 +9,14 @@ permutation. Every check fails before anything is compiled, so the shipped model
 
 import math
 import re
+import warnings
 
 import numpy as np
 import pytest
 
 from ik_gat_jax import inference
 from ik_gat_jax.inference import SHIPPED_IKGAT
+from ik_gat_jax.io import exports
 from ik_gat_jax.skeleton import rest_positions_np
 from ik_gat_jax.solver import (IKSolver, InputError, bucket_sizes, check_offsets,
                                check_positions, parse_input_axes, parse_units)
@@ -60,6 +62,22 @@ def test_non_numeric_input(solver, bad):
   with pytest.raises(InputError, match='positions are not a numeric array'):
     solver.step(bad)
   _assert_nothing_compiled(solver)
+
+
+def test_float16_positions_warn(solver, clip, tmp_path):
+  """float16 positions (1 mm steps at 1 m) warn, from an array and from an npz; float32 and
+  float64 do not."""
+  rig = solver.rig
+  with pytest.warns(UserWarning, match='positions are float16: values are rounded to 11 '):
+    out, _ = check_positions(clip.astype(np.float16), rig)
+  assert out.dtype == np.float64
+  np.savez(tmp_path / 'half.npz', positions=clip.astype(np.float16))
+  with pytest.warns(UserWarning, match=r'half\.npz: positions are float16'):
+    exports.read_positions_npz(tmp_path / 'half.npz', rig)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    for dtype in (np.float32, np.float64):
+      check_positions(clip.astype(dtype), rig)
 
 
 def test_zero_frames(solver):
