@@ -24,10 +24,11 @@ refused unless `overwrite`):
 - npz: `local_rot`, `global_rot`, `bone_aligned_rot [T, J, 3, 3]`, `positions_fk`, `positions`
   `[T, J, 3]` (metres), `offsets [J, 3]` (metres), `bone_frames [J, 3, 3]`, `joint_names`,
   `parents`, `fps`, `rig` (JSON).
-- BVH: the rig's joints (depth-first) in the rig's joint names (with `removed`, an input BVH's
-  constant-rotation joints the rig left out, between the same joints), OFFSETs = the subject's
-  offsets
-  (the root's 0 0 0: its channels are its world position), angles continuous over frames
+- BVH: the rig's joints (depth-first) in the rig's joint names or `names` (`output_names`: the
+  input's, its namespace and a joint map's source names; `solve` writes those; with `removed`,
+  an input BVH's constant-rotation joints the rig left out, between the same joints), OFFSETs =
+  the subject's offsets (the root's 0 0 0: its channels are its world position), angles
+  continuous over frames
   (`continuous_euler`), root channels `Xposition Yposition Zposition` then three rotation
   channels, others three rotation channels, per joint in `orders[j]` (intrinsic, channel order:
   'ZYX' is `Zrotation Yrotation Xrotation`, R = Rz Ry Rx, degrees; default ZYX for every joint),
@@ -41,7 +42,7 @@ refused unless `overwrite`):
   `poses [T, 66]` axis-angle of the 22 local rotations (root orientation first), `trans`, ...;
   in the rig's y-up world (the SMPL model's frame) by default, or AMASS's with `world='amass'`.
 - GLB (`write_solution_glb`; `io.gltf.solution_glb` for the bytes): glTF 2.0 binary, one node
-  per rig joint (the rig's names and hierarchy, rest translation = the subject's offsets, rest
+  per rig joint (the rig's names or `names`, its hierarchy, rest translation = the subject's offsets, rest
   rotation identity), the local rotations and the root position as LINEAR channels at t / fps,
   and a body of boxes, each rigidly skinned to its joint. Metres, y up; a rig with other axes
   sits under one fixed rotation node. Details in `io.gltf`'s docstring.
