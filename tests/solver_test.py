@@ -756,6 +756,48 @@ def test_csv_empty_fields_are_missing_values(solver, tmp_path):
     exports.read_positions_csv(tmp_path / 'short.csv', rig)
 
 
+def test_csv_byte_order_mark_and_r_s_na(solver, tmp_path):
+  """Excel's "CSV UTF-8" opens with a byte order mark: read past, with a header or without
+  (where it made the first frame a header, dropped, and every frame one late); R writes a
+  missing value as NA: a missing value, also in the first row (not taken for a header)."""
+  rig = solver.rig
+  pos = posed_clip(rig, solver.offsets, T=3)
+  header = ','.join(f'{n}_{a}' for n in rig.joint_names for a in 'xyz')
+  rows = [','.join(f'{v:.9f}' for v in r) for r in pos.reshape(3, -1)]
+  for name, text in (('bom.csv', '\n'.join(rows)), ('bom_header.csv', header + '\n' +
+                                                     '\n'.join(rows))):
+    (tmp_path / name).write_text(text + '\n', encoding='utf-8-sig')
+    np.testing.assert_allclose(exports.read_positions_csv(tmp_path / name, rig), pos,
+                               atol=1e-8, err_msg=name)
+  holes = pos.copy()
+  holes[0, 3] = np.nan
+  fields = [['NA' if not np.isfinite(v) else f'{v:.9f}' for v in r] for r in
+            holes.reshape(3, -1)]
+  (tmp_path / 'r.csv').write_text('\n'.join(','.join(f) for f in fields) + '\n')
+  np.testing.assert_allclose(exports.read_positions_csv(tmp_path / 'r.csv', rig), holes,
+                             atol=1e-8)  # NaN where NaN
+  fields[1][5] = 'n/a?'
+  (tmp_path / 'bad.csv').write_text('\n'.join(','.join(f) for f in fields) + '\n')
+  with pytest.raises(InputError, match=r"bad.csv:2: 'n/a\?' is not a number"):
+    exports.read_positions_csv(tmp_path / 'bad.csv', rig)
+
+
+def test_npz_that_is_not_one_or_has_a_bad_fps(solver, tmp_path):
+  """A text file named .npz, and an `fps` that is not one positive number, are refused in
+  one line naming the file."""
+  rig = solver.rig
+  pos = posed_clip(rig, solver.offsets, T=2)
+  (tmp_path / 'text.npz').write_text('hello\n')
+  with pytest.raises(InputError, match=r'text.npz: not an npz file'):
+    exports.read_positions_npz(tmp_path / 'text.npz', rig)
+  for fps in (0.0, -30.0, np.nan, [120.0, 30.0], 'fast'):
+    np.savez(tmp_path / 'f.npz', positions=pos, fps=np.asarray(fps))
+    with pytest.raises(InputError, match=r'f.npz: fps must be one positive frame rate'):
+      exports.read_positions_npz(tmp_path / 'f.npz', rig)
+  np.savez(tmp_path / 'ok.npz', positions=pos, fps=np.asarray([[24]]))
+  assert exports.read_positions_npz(tmp_path / 'ok.npz', rig).fps == 24.0
+
+
 def test_csv_named_columns_leave_an_index_and_a_time_out(solver, tmp_path):
   """`pandas.DataFrame.to_csv` of named columns writes its index first (an empty header
   field); a time column may sit anywhere: the named x, y, z columns are picked, the rest left

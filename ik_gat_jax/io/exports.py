@@ -10,8 +10,9 @@ Readers return positions `[T, J, 3]` in the rig's joint order:
   must be there; other columns, such as pandas' index or a time, are left out; a namespace all
   its joint names carry, `Anna:Hips_x`, is dropped, as for a BVH's joints). With a comma,
   semicolon or tab between fields an empty field is a missing value (NaN, as pandas writes one;
-  a joint the solver then refuses or holds, `hold_missing`), and one separator after the last
-  field is allowed.
+  a joint the solver then refuses or holds, `hold_missing`), as is `NA` or `N/A` (R's), and one
+  separator after the last field is allowed. The first row is a header where it holds more
+  words than numbers; a UTF-8 byte order mark (Excel's "CSV UTF-8") is read past.
 - BVH: joint positions by FK, reduced to the rig with `io.retarget` (the file's own
   rest offsets come along). A BVH that has every rig joint by name (e.g. one this module wrote)
   is reduced by name, extra subtrees pruned, in centimetres unless `units` says otherwise; any
@@ -65,6 +66,7 @@ import re
 import shutil
 import tempfile
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -247,7 +249,19 @@ def warn_half_precision(dtype, what: str = 'positions') -> None:
                   stacklevel=3)
 
 
+def _npz_fps(value, path) -> float:
+  """An npz's `fps`: one positive finite number."""
+  value = np.asarray(value)
+  if value.size != 1 or value.dtype.kind not in 'iuf' or not (
+      math.isfinite(float(value.ravel()[0])) and float(value.ravel()[0]) > 0):
+    raise InputError(f'{path}: fps must be one positive frame rate, got '
+                     f'{np.array2string(value, threshold=4)}')
+  return float(value.ravel()[0])
+
+
 def read_positions_npz(path: str | os.PathLike, rig: Rig) -> PositionsFile:
+  if not zipfile.is_zipfile(path):  # np.load would try it as a pickle, and say so
+    raise InputError(f'{path}: not an npz file (a zip of .npy arrays, as numpy.savez writes)')
   with np.load(path, allow_pickle=False) as z:
     keys = list(z.keys())
     key = 'positions' if 'positions' in keys else (keys[0] if len(keys) == 1 else None)
@@ -257,7 +271,7 @@ def read_positions_npz(path: str | os.PathLike, rig: Rig) -> PositionsFile:
     warn_half_precision(pos.dtype, f'{path}: {key}')
     pos = np.asarray(pos, np.float64)
     names = [str(n) for n in z['joint_names']] if 'joint_names' in keys else None
-    fps = float(z['fps']) if 'fps' in keys else None
+    fps = _npz_fps(z['fps'], path) if 'fps' in keys else None
     offsets = np.asarray(z['offsets'], np.float64) if 'offsets' in keys else None
   if names is None:
     return PositionsFile(pos, offsets, fps)
@@ -277,6 +291,9 @@ def _order_by_names(names: Sequence[str], rig: Rig, what: str) -> list[int]:
   if missing or extra:
     raise InputError(f'{what} do not match rig {rig.name!r}: missing {missing}, unknown {extra}')
   return [list(names).index(n) for n in rig.joint_names]
+
+
+_CSV_MISSING = ('', 'NA', 'N/A')  # a missing value: an empty field (pandas), NA (R)
 
 
 def _is_number(text: str) -> bool:
@@ -309,14 +326,16 @@ def read_positions_csv(path: str | os.PathLike, rig: Rig) -> np.ndarray:
 def _read_csv(path: str | os.PathLike, rig: Rig) -> tuple[np.ndarray, str | None]:
   """(`read_positions_csv`, the namespace of a header that names the joints, '' for none, or
   None where no header names them)."""
-  lines = [(i + 1, line) for i, line in enumerate(Path(path).read_text().splitlines())
+  text = Path(path).read_text(encoding='utf-8-sig')  # Excel's "CSV UTF-8" opens with a BOM
+  lines = [(i + 1, line) for i, line in enumerate(text.splitlines())
            if line.strip() and not line.lstrip().startswith('#')]
   if not lines:
     raise InputError(f'{path}: no rows')
   J = rig.num_joints
   header, order, width, space = None, None, 3 * J, None
   first = _csv_fields(lines[0][1], width)
-  if not all(f == '' or _is_number(f) for f in first):
+  words = sum(f not in _CSV_MISSING and not _is_number(f) for f in first)
+  if words > sum(_is_number(f) for f in first):  # a header: more words than numbers
     header, lines = first, lines[1:]
     order, space = _header_order(header, rig, path)
     if order is not None:  # named columns: the others (an index, a time) are left out
@@ -330,9 +349,9 @@ def _read_csv(path: str | os.PathLike, rig: Rig) -> tuple[np.ndarray, str | None
               f'{", ".join(rig.joint_names)}')
       raise InputError(f'{path}:{lineno}: {len(fields)} columns, expected {width} ({what})')
     try:
-      rows.append([float(f) if f else math.nan for f in fields])  # empty: missing
+      rows.append([math.nan if f in _CSV_MISSING else float(f) for f in fields])
     except ValueError:
-      bad = next(f for f in fields if not _is_number(f))
+      bad = next(f for f in fields if f not in _CSV_MISSING and not _is_number(f))
       raise InputError(f'{path}:{lineno}: {bad!r} is not a number') from None
   if not rows:
     raise InputError(f'{path}: a header but no frames')
