@@ -707,7 +707,7 @@ class Solution:
     global_rot: `[T, J, 3, 3]` G_j, world.
     bone_aligned_rot: `[T, J, 3, 3]` Q_j = G_j @ B_j, world.
     positions_fk: `[T, J, 3]` FK of `local_rot` on `offsets`, root at the input root (refined:
-      the fitted root; module docstring).
+      the fitted root, unless `fit_offsets`; module docstring).
     positions: `[T, J, 3]` the input after units/axes conversion (what was solved).
     offsets: `[J, 3]` the subject's rest offsets R is relative to.
     bone_frames: `[J, 3, 3]` B from `offsets`.
@@ -1618,7 +1618,9 @@ class IKSolver:
     if fit_offsets:  # the rotations kept; the skeleton and its FK from the fitted offsets
       off = fitted_offsets(out['global_rot'], pos, off, self.rig)
       subject = self._device_subject(off, check=False)  # the model's rest pose, fitted
-      out = self._with_local(out, out['local_rot'], out['positions_fk'][:, 0], subject)
+      # The root at the input's: the fitted offsets reproduce the input from there (a
+      # refinement's fitted root translation was fitted for the offsets just replaced).
+      out = self._with_local(out, out['local_rot'], pos[:, 0], subject)
     if not full:
       return out['local_rot'][0] if single else out['local_rot']
     return Solution(positions=pos.astype(np.float32), offsets=np.array(off),  # the caller's copy

@@ -152,6 +152,22 @@ def test_fitted_offsets_are_the_ones_the_rotations_imply(solver):
       solver.solve(pos, fit_offsets=True, **bad)
 
 
+def test_fitted_offsets_after_a_refinement_stand_on_the_input_s_root(tmp_path_factory):
+  """A refinement fits a root translation for the offsets it solved on; the fitted offsets
+  replace those, so their FK stands on the input's root again (it was left at the refined
+  root: every joint 17 mm off on a CMU clip), as without the refinement."""
+  refined = IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory), refine_iters=5,
+                                     refine_prior=None)
+  rig = refined.rig
+  pos = posed_clip(rig, refined.offsets * 1.1, T=4, seed=3)
+  moved = refined.solve(pos, full=True)
+  assert np.abs(moved.positions_fk[:, 0] - pos[:, 0]).max() > 1e-4  # the fitted root
+  fit = refined.solve(pos, full=True, fit_offsets=True)
+  np.testing.assert_allclose(fit.positions_fk[:, 0], pos[:, 0], atol=1e-6)
+  np.testing.assert_allclose(fit.offsets, solver_lib.fitted_offsets(
+      moved.global_rot, pos, moved.offsets, rig), atol=1e-6)
+
+
 @pytest.mark.parametrize('units', ['cm', 'm'])
 def test_bvh_write_read_fk_matches_solver(solver, tmp_path, units):
   rig = solver.rig
