@@ -246,7 +246,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
       raise InputError(f'{problem} (no --units given)')
   if source.metres_rig and solver_lib.all_finite(source.positions):
     # Read at the BVH's units already: a units hint names the file's (--units=cm, not 0.18).
-    solver_lib.check_plausibility(source.positions @ M.T, rig, source.bvh_units_m or 1.0)
+    solver_lib.check_plausibility(source.positions @ M.T, rig, source.bvh_units_m or 1.0,
+                                  input_axes=M)
   missing = ~np.isfinite(np.asarray(source.positions, np.float64)).all(axis=-1)  # [T, J]
   sol = solver.solve(source.positions, offsets=offsets, estimate_lengths=estimate_lengths,
                      fit_offsets=fit_offsets,

@@ -475,11 +475,14 @@ def warning_kind(msg: str) -> str:
 
 
 def check_plausibility(positions: np.ndarray, rig: Rig, scale: float = 1.0,
-                       said: set[str] | None = None) -> list[str]:
+                       said: set[str] | None = None,
+                       input_axes: np.ndarray | None = None) -> list[str]:
   """Warns (`warnings.warn`, also returned) on likely unit or axis problems; with `said` (a
   set the caller keeps), each kind of warning once (`warning_kind`), the kinds added to it.
 
-  `positions [T, J, 3]` in metres (after `scale` metres per unit was applied), rig axes.
+  `positions [T, J, 3]` in metres (after `scale` metres per unit was applied), rig axes
+  (after `input_axes [3, 3]`, the caller's map from the input's, was applied: an axis hint is
+  the whole map from the input's axes, and names the input's axis that points up).
   Needs the rig's template; without one nothing is checked. A long clip is judged on at most
   `_PLAUSIBILITY_FRAMES` frames spread evenly over it (every k-th): the medians and the mean
   below barely move, and the check of a 5,133-frame clip takes 0.3 ms instead of 2.4 (0.6% of
@@ -491,7 +494,7 @@ def check_plausibility(positions: np.ndarray, rig: Rig, scale: float = 1.0,
     return []
   positions = positions[::-(-len(positions) // _PLAUSIBILITY_FRAMES)]
   msgs = [m for m in (units_problem(positions, rig, scale),) if m]
-  msgs += _check_up(positions, rig)
+  msgs += _check_up(positions, rig, input_axes)
   if said is not None:
     msgs = [m for m in msgs if warning_kind(m) not in said]
     said.update(warning_kind(m) for m in msgs)
@@ -510,14 +513,16 @@ def _top_joint(rig: Rig) -> int:
 _UP_EXTENT_RATIO = 1.25  # as data_prep.conversion's: upright bodies extend most along up
 
 
-def _check_up(positions: np.ndarray, rig: Rig) -> list[str]:
+def _check_up(positions: np.ndarray, rig: Rig, given: np.ndarray | None = None) -> list[str]:
   """The mean head - root vector should point up: warn when it is below, or over 60 degrees
   off (the input's up is another axis; fine for a clip that lies down throughout). The head
   is the top joint of the rig's natural pose, known for a built-in rig or one that names its
   reference pose; another rig's zero pose may be any (another lab's bind: a toe on top), so
   there the bodies must also extend most along another axis than up (median over frames of
   the highest joint minus the lowest, `_UP_EXTENT_RATIO` times up's or more), as upright
-  bodies do not."""
+  bodies do not. `given`: the input axes map already applied to `positions` (the hint
+  composes with it)."""
+  given = np.eye(3) if given is None else np.asarray(given, np.float64)
   head = _top_joint(rig)
   v = np.mean(positions[:, head] - positions[:, 0], axis=0)
   up = np.asarray(rig.up)
@@ -529,19 +534,26 @@ def _check_up(positions: np.ndarray, rig: Rig) -> list[str]:
     k, u = int(np.argmax(extent)), int(np.argmax(np.abs(up)))
     if k == u or extent[k] < _UP_EXTENT_RATIO * extent[u]:
       return []
-    M = _suggest_axes(k, 1.0, rig)
+    M = _suggest_axes(k, 1.0, rig) @ given
     return [f'up axis looks wrong: the bodies extend most along {"xyz"[k]} (median '
             f'{extent[k]:.2f} m, against {extent[u]:.2f} m along rig up '
             f'{axes_text(up[None])}); pass --input_axes (e.g. --input_axes={axes_text(M)} if '
-            f'input +{"xyz"[k]} is up)']
+            f'input {_input_axis(given, k, 1.0)} is up)']
   where = ('below the' if float(v @ up) < 0 else
            f'{math.degrees(math.acos(float(v @ up) / n)):.0f} degrees off up from the')
   k = int(np.argmax(np.abs(v)))  # the input axis that points up: suggest the map to rig up
-  M = _suggest_axes(k, float(np.sign(v[k])), rig)
+  M = _suggest_axes(k, float(np.sign(v[k])), rig) @ given
   return [f'up axis looks wrong: the {rig.joint_names[head]} is {where} '
           f'{rig.joint_names[0]} on average (rig up is {axes_text(up[None])}); pass '
-          f'--input_axes (e.g. --input_axes={axes_text(M)} if input {"-" if v[k] < 0 else "+"}'
-          f'{"xyz"[k]} is up)']
+          f'--input_axes (e.g. --input_axes={axes_text(M)} if input '
+          f'{_input_axis(given, k, float(np.sign(v[k])))} is up)']
+
+
+def _input_axis(given: np.ndarray, k: int, sign: float) -> str:
+  """The input's signed axis ('+z') that `given` took to `sign * e_k`."""
+  d = given.T @ (sign * np.eye(3)[k])
+  i = int(np.argmax(np.abs(d)))
+  return ('-' if d[i] < 0 else '+') + 'xyz'[i]
 
 
 def _suggest_axes(k: int, sign: float, rig: Rig) -> np.ndarray:
@@ -1298,7 +1310,8 @@ class IKSolver:
     if self.hold_missing:
       arr, _ = hold_missing_joints(arr, None, self.rig)
     if check and all_finite(arr):  # single frames (a live loop calling solve): each kind once
-      check_plausibility(arr, self.rig, scale, self._said if len(arr) == 1 else None)
+      check_plausibility(arr, self.rig, scale, self._said if len(arr) == 1 else None,
+                         None if input_axes is None else parse_input_axes(input_axes, self.rig))
     return arr, single
 
   def _to_rig(self, arr: np.ndarray, units, input_axes) -> tuple[np.ndarray, float]:
@@ -1746,14 +1759,15 @@ class IKSolver:
     if self._history is not None:
       self._history.reset()
 
-  def _check_stream(self, pos: np.ndarray, scale: float = 1.0) -> None:
+  def _check_stream(self, pos: np.ndarray, scale: float = 1.0, input_axes=None) -> None:
     """A stream's first frame(s) `[n, J, 3]` with every joint: the units and axes checks of
     `solve` (`check_plausibility`; `scale`: the metres per input unit the frames were given
-    in), once per stream (until `reset()`), so a live loop fed millimetres or z-up data hears
+    in; `input_axes`, the axes map they were given with), once per stream (until `reset()`), so a live loop fed millimetres or z-up data hears
     it at its start; the frames after it are not checked."""
     if all_finite(pos):
       self._stream_checked = True
-      check_plausibility(pos, self.rig, scale)
+      check_plausibility(pos, self.rig, scale, input_axes=None if input_axes is None else
+                         parse_input_axes(input_axes, self.rig))
 
   def _stream_history(self, pos: np.ndarray) -> dict[str, np.ndarray] | None:
 
@@ -1833,7 +1847,7 @@ class IKSolver:
     if self.hold_missing:  # the stream's dropouts filled from its earlier frames
       pos, self._held = hold_missing_joints(pos, self._held, self.rig)
     if not self._stream_checked:
-      self._check_stream(pos, scale)
+      self._check_stream(pos, scale, input_axes)
     sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
     if self.window <= 1:  # as a clip's frames (`near_origin`), the calibration's float32 too
       pos, sparse, _ = near_origin(pos, sparse)
@@ -1966,7 +1980,7 @@ class IKSolver:
     if self.hold_missing:
       pos, self._held = hold_missing_joints(pos, self._held, self.rig)
     if not self._stream_checked:
-      self._check_stream(pos, scale)
+      self._check_stream(pos, scale, input_axes)
     sparse = self.sparse_inputs(pos, mask)
     history = self._stream_history(pos)
     if history is not None:  # window models take no other sparse input (as `step`)

@@ -6,6 +6,7 @@ needed); what is tested is the plumbing (shapes, frames, FK consistency, files),
 
 import dataclasses
 import io
+import re
 import warnings
 
 import numpy as np
@@ -393,6 +394,17 @@ def test_unit_and_axis_warnings(solver):
   assert _warnings_of(lambda: solver.solve(z_up, input_axes='x,z,-y')) == []
   upside_down = pos * np.array([1.0, -1.0, -1.0])
   assert any('up axis looks wrong' in m for m in _warnings_of(lambda: solver.solve(upside_down)))
+  # y-up data given a wrong --input_axes: the hint is the whole map from the input's axes, so
+  # following it silences the warning (it used to suggest a map of the converted axes, which
+  # sent the user round in a circle), for clips and for a stream's first frame alike.
+  for given, data in (('x,z,-y', pos), ('x,-z,y', z_up), ('x,-y,-z', pos)):
+    for run in (lambda a: solver.solve(data, input_axes=a),
+                lambda a: (solver.reset(), solver.step(data[0], input_axes=a))):
+      msgs = [m for m in _warnings_of(lambda: run(given)) if 'up axis looks wrong' in m]
+      assert len(msgs) == 1, (given, msgs)
+      spec = re.search(r'--input_axes=(\S+) if input ([+-][xyz]) is up', msgs[0])
+      assert spec.group(2) == ('+y' if data is pos else '+z'), msgs
+      assert not [m for m in _warnings_of(lambda: run(spec.group(1))) if 'up axis' in m], msgs
 
 
 def test_up_check_of_a_rig_whose_zero_pose_is_not_upright(solver):
