@@ -184,6 +184,10 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   for extra in (smpl_npz, plot, clip):
     if extra is not None:
       exports.check_output(extra, overwrite)
+  if clip is not None and Path(clip).suffix and Path(clip).suffix.lower() != '.gif':
+    raise InputError(f'--clip must be a .gif or a directory (of frame_NNNN.png files), got '
+                     f'{clip}')
+  _check_distinct({'--output': output, '--smpl_npz': smpl_npz, '--plot': plot, '--clip': clip})
   if not Path(input).is_file():
     raise FileNotFoundError(f'input {input} does not exist')
   load = functools.partial(
@@ -296,6 +300,19 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
       f'{summary["fk_error_mm_mean"]:.1f} mm, max {summary["fk_error_mm_max"]:.1f} mm'
       f'{bvh_note}')
   return summary
+
+
+def _check_distinct(paths: dict) -> None:
+  """Refuses two outputs (flag -> path or None) that name one file: the last written would
+  replace the other, unasked."""
+  seen = {}
+  for flag, path in paths.items():
+    if path is None:
+      continue
+    key = Path(path).absolute().resolve()
+    if key in seen:
+      raise InputError(f'{seen[key]} and {flag} name the same file {path}: give each its own')
+    seen[key] = flag
 
 
 def _bvh_output(source, bvh_units: str | float | None, rig, own_offsets: bool, removed=None

@@ -151,6 +151,22 @@ def test_overwrite_and_atomicity(ckpt, clip_npz, tmp_path):
   assert _leftovers(tmp_path) == []
 
 
+def test_outputs_that_collide_or_a_clip_that_is_no_gif_are_refused_before_solving(
+    ckpt, clip_npz, tmp_path):
+  """--plot naming --output's file (the PNG replaced the fresh npz, unasked) and --clip=x.mp4
+  (an errno about a temp file) are refused in one line, nothing written."""
+  path, _ = clip_npz
+  out = tmp_path / 'same.npz'
+  with pytest.raises(InputError, match=r'--output and --plot name the same file'):
+    solve.solve_file(path, out, checkpoint=ckpt, plot=str(out), log=_quiet)
+  with pytest.raises(InputError, match=r'--plot and --clip name the same file'):
+    solve.solve_file(path, out, checkpoint=ckpt, plot=str(tmp_path / 'a.gif'),
+                     clip=str(tmp_path / '.' / 'a.gif'), log=_quiet)
+  with pytest.raises(InputError, match=r'--clip must be a .gif or a directory .* got .*x.mp4'):
+    solve.solve_file(path, out, checkpoint=ckpt, clip=str(tmp_path / 'x.mp4'), log=_quiet)
+  assert sorted(q.name for q in tmp_path.iterdir()) == []
+
+
 def test_smpl_output_refused_for_cmu_rig(ckpt, clip_npz, tmp_path):
   path, _ = clip_npz
   with pytest.raises(InputError, match='need the smpl22 rig'):
