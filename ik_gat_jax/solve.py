@@ -37,6 +37,7 @@ and restored checkpoints in `~/.cache/ik_gat_jax/params` (compile_cache.py;
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import math
@@ -204,6 +205,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
     smpl_lib.check_smpl_rig(rig)  # refuse before solving
   source = exports.read_positions(input, rig, joint_map=joint_map, bvh_units=units,
                                   bvh_fps=fps, reference_pose=reference_pose)
+  M = solver_lib.parse_input_axes(input_axes, rig)
+  source = _in_rig_axes(source, M)
   if source.first_dropped is not None:
     log(f'the first frame left out: joint map {source.first_dropped} reads it as the T-pose its '
         'files open with')
@@ -219,7 +222,6 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   solver.temporal_filter = temporal.with_overrides(solver.temporal_filter, filter_kind,
                                                    filter_min_cutoff, filter_beta,
                                                    filter_d_cutoff)
-  M = solver_lib.parse_input_axes(input_axes, rig)
   offsets = None if offsets_from is not None else _subject_offsets(source)
   # Which rest pose the rotations are relative to (the summary's and an npz's `offsets`).
   offsets_source = ('fitted' if fit_offsets else 'offsets_from' if offsets_from is not None
@@ -300,6 +302,28 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
       f'{summary["fk_error_mm_mean"]:.1f} mm, max {summary["fk_error_mm_max"]:.1f} mm'
       f'{bvh_note}')
   return summary
+
+
+def _in_rig_axes(source: exports.PositionsFile, M: np.ndarray) -> exports.PositionsFile:
+  """A BVH input's frame-dependent parts that are not positions, turned by `M` (--input_axes:
+  rig = M @ input) as the solver turns its positions and offsets: the rotations it solves are
+  then the file's conjugated by M (R' = M R M^T), so a vector in a joint's frame turns by M and
+  a frame by M F M^T. These are its reference pose's joint frames, the removed joints' offsets
+  and constant rotations written back into an output BVH, and its End Sites in the leaves'
+  frames (left in the file's axes, every joint under a removed one was written 10-20 cm off
+  with z-up files). Positions, offsets and world End Sites are the solver's to turn."""
+  if not source.metres_rig or np.array_equal(M, np.eye(3)):
+    return source
+  turn = lambda v: None if v is None else np.asarray(v, np.float64) @ M.T  # noqa: E731
+  frames = lambda F: M @ np.asarray(F, np.float64) @ M.T  # noqa: E731
+  removed = source.bvh_removed
+  if removed is not None:  # removed[0] is the root's `()`
+    removed = tuple(
+        (tuple((name, turn(off), frames(C), order) for name, off, C, order in entry[0]),
+         turn(entry[1])) if entry and entry[0] else entry for entry in removed)
+  return dataclasses.replace(
+      source, bvh_removed=removed, end_site_offsets=turn(source.end_site_offsets),
+      reference=None if source.reference is None else frames(source.reference))
 
 
 def _check_distinct(paths: dict) -> None:

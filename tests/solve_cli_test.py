@@ -560,3 +560,58 @@ def test_outputs_name_the_joints_as_the_input_did(ckpt, cmu_dir, tmp_path):
   with pytest.raises(InputError, match='--joint_names must be one of input, rig'):
     solve.solve_file(tmp_path / 'ben.csv', tmp_path / 'x.bvh', checkpoint=ckpt, log=_quiet,
                      joint_names='theirs')
+
+
+def _z_up_cmu(src: Path, dst: Path, frames: int) -> None:
+  """The first `frames` frames of a CMU BVH in a z-up world facing -y (Blender's): every
+  offset and End Site turned by W, every joint's rotation conjugated (W R W^T, in its own
+  channel order), the root's position turned: the same bind and motion, FK turned by W."""
+  m = bvh.read_bvh(src)
+  W = parse_input_axes('x,z,-y').T  # rig (y up) = M @ input: input = M^T @ rig
+  joints, cols = [], []
+  for j, joint in enumerate(m.joints):
+    R = bvh.euler_to_matrix_np(m.rotation_degrees(j)[:frames], m.euler_order(j))
+    pos = m.position_channels(j)
+    cols += ([] if pos is None else [pos[:frames] @ W.T]) + [Rotation.from_matrix(
+        W @ R @ W.T).as_euler(m.euler_order(j), degrees=True)]
+    joints.append(dataclasses.replace(
+        joint, offset=W @ joint.offset,
+        end_site=None if joint.end_site is None else W @ joint.end_site))
+  bvh.write_bvh(dst, bvh.BVHMotion(joints, m.frame_time, np.concatenate(cols, axis=1)),
+                precision=None)
+
+
+@pytest.mark.filterwarnings('ignore:up axis looks wrong')  # an untrained model's poses
+def test_a_z_up_bvh_writes_the_y_up_file_s_bvh(ckpt, cmu_dir, tmp_path):
+  """A CMU clip exported z-up (facing -y) and solved with --input_axes=x,z,-y writes the BVH
+  of the same clip y-up: the joints its reduction removed (LHipJoint, ...), whose offsets and
+  constant rotations it writes back, and its End Sites are turned into the rig's axes with the
+  positions (they were the file's: every joint under a removed one 10-20 cm off, the Head's End
+  Site 11 cm off), and so are its joints' frames in a natural pose it names."""
+  m = bvh.read_bvh(cmu_dir / '07_05.bvh')
+  bvh.write_bvh(tmp_path / 'y.bvh', dataclasses.replace(m, motion=m.motion[:6]), precision=None)
+  _z_up_cmu(cmu_dir / '07_05.bvh', tmp_path / 'z.bvh', 6)
+  solve.solve_file(tmp_path / 'y.bvh', tmp_path / 'y_out.bvh', checkpoint=ckpt, log=_quiet)
+  solve.solve_file(tmp_path / 'z.bvh', tmp_path / 'z_out.bvh', checkpoint=ckpt, log=_quiet,
+                   input_axes='x,z,-y')
+  y, z = bvh.read_bvh(tmp_path / 'y_out.bvh'), bvh.read_bvh(tmp_path / 'z_out.bvh')
+  assert y.names == z.names and 'LHipJoint' in z.names
+  cmu = UNITS['cmu']
+  py, ry = bvh.naive_fk_np(y, cmu, with_rotations=True)
+  pz, rz = bvh.naive_fk_np(z, cmu, with_rotations=True)
+  # The same input to float64 round-off (turned there and back): float32 solutions within
+  # 1e-5 m at every joint (a network's float32 noise on 1 m), End Sites too.
+  np.testing.assert_allclose(pz, py, atol=1e-5)
+  for j, (a, b) in enumerate(zip(y.joints, z.joints)):
+    np.testing.assert_allclose(b.offset, a.offset, atol=1e-6, err_msg=a.name)
+    if a.end_site is not None:
+      np.testing.assert_allclose(b.end_site, a.end_site, atol=1e-6, err_msg=a.name)
+      np.testing.assert_allclose(rz[:, j] @ b.end_site, ry[:, j] @ a.end_site, atol=1e-5)
+  # Its first frame (the T-pose) named as its natural pose: the joints' frames there are turned
+  # too, so the rotations are the y-up file's (they were 0.43 off in a matrix entry).
+  for name, kw in (('y', {}), ('z', {'input_axes': 'x,z,-y'})):
+    solve.solve_file(tmp_path / f'{name}.bvh', tmp_path / f'{name}_ref.npz', checkpoint=ckpt,
+                     log=_quiet, reference_pose='first_frame', **kw)
+  with np.load(tmp_path / 'y_ref.npz') as a, np.load(tmp_path / 'z_ref.npz') as b:
+    np.testing.assert_allclose(b['local_rot'], a['local_rot'], atol=1e-5)
+    np.testing.assert_allclose(b['reference_pose'], a['reference_pose'], atol=1e-9)
