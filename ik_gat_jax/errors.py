@@ -15,3 +15,15 @@ class ConversionError(InputError):
 
 class CheckpointError(ValueError):
   """A missing, corrupt or incompatible checkpoint, naming its path (one line)."""
+
+
+def check_frame_rate(fps, what: str = 'fps') -> float:
+  """`fps` as a float if it is one positive finite frame rate, else `InputError` (every writer
+  checks it: a file with `Frame Time: nan`, or one its own reader refuses, is never written)."""
+  try:
+    value = float(fps)
+  except (TypeError, ValueError):
+    raise InputError(f'{what} must be a positive frame rate, got {fps!r}') from None
+  if not (value > 0 and value != float('inf')):
+    raise InputError(f'{what} must be a positive frame rate, got {fps!r}')
+  return value

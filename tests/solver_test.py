@@ -169,6 +169,20 @@ def test_fitted_offsets_after_a_refinement_stand_on_the_input_s_root(tmp_path_fa
       moved.global_rot, pos, moved.offsets, rig), atol=1e-6)
 
 
+def test_writers_refuse_a_frame_rate_that_is_not_one(solver, tmp_path):
+  """Every writer refuses fps 0, negative, NaN, inf in one line, writing nothing (the BVH
+  writer wrote `Frame Time: nan` or divided by zero; the GLB's JSON failed on inf)."""
+  rig = solver.rig
+  sol = solver.solve(posed_clip(rig, solver.offsets, T=2, seed=3, scale=0.2), full=True)
+  writers = {'bvh': exports.write_solution_bvh, 'glb': exports.write_solution_glb,
+             'npz': lambda path, *a: exports.write_npz_atomic(path, exports.solution_arrays(*a))}
+  for fps in (0.0, -30.0, float('nan'), float('inf'), 'x'):
+    for ext, write in writers.items():
+      with pytest.raises(InputError, match='fps must be a positive frame rate'):
+        write(tmp_path / f'a.{ext}', sol, rig, fps)
+  assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize('units', ['cm', 'm'])
 def test_bvh_write_read_fk_matches_solver(solver, tmp_path, units):
   rig = solver.rig

@@ -50,7 +50,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ik_gat_jax.errors import InputError
+from ik_gat_jax.errors import InputError, check_frame_rate
 
 TAKE_NAME = 'ik_gat'  # the FBX take (animation stack); the GLB animation's name too
 GLTF_TO_BLENDER = np.array([[1.0, 0.0, 0.0], [0.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
@@ -89,8 +89,7 @@ def timeout_s(frames: int) -> float:
 def fps_setting(fps: float) -> tuple[int, float]:
   """(render.fps, fps_base) for `fps`: Blender's rate is the integer `render.fps` over
   `fps_base` (29.97 -> (30, 1.001))."""
-  if not fps > 0:
-    raise InputError(f'fps must be positive, got {fps}')
+  fps = check_frame_rate(fps)
   whole = max(1, int(round(fps)))
   return whole, whole / float(fps)
 

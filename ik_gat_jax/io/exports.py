@@ -77,7 +77,7 @@ import numpy as np
 from ik_gat_jax import bone_frames as bone_frames_lib
 from ik_gat_jax import padding
 from ik_gat_jax import rotations
-from ik_gat_jax.errors import ConversionError, InputError
+from ik_gat_jax.errors import ConversionError, InputError, check_frame_rate
 from ik_gat_jax.io import atomic
 from ik_gat_jax.io import blender
 from ik_gat_jax.io import bvh
@@ -537,6 +537,7 @@ def read_bvh_offsets(path: str | os.PathLike, rig: Rig, *, joint_map: str | None
 
 def solution_arrays(sol, rig: Rig, fps: float, extra: dict | None = None) -> dict:
   """The npz fields (module docstring) of a `solver.Solution`."""
+  fps = check_frame_rate(fps)
   return {'local_rot': sol.local_rot, 'global_rot': sol.global_rot,
           'bone_aligned_rot': sol.bone_aligned_rot, 'positions_fk': sol.positions_fk,
           'positions': sol.positions, 'offsets': np.asarray(sol.offsets, np.float32),
@@ -645,6 +646,7 @@ def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarra
   the root's OFFSET to them (three.js's BVHLoader) and those that do not (Blender, Assimp, this
   package) put it in the same place. The angles are continuous over time (`continuous_euler`),
   so a tool that interpolates channels does not spin a joint between frames."""
+  fps = check_frame_rate(fps)
   k = 1.0 / bvh_metres_per_unit(units)
   orders = check_rotation_orders(orders, rig)
   names = _check_names(names, rig)
@@ -748,6 +750,7 @@ def write_solution_bvh(path: str | os.PathLike, sol, rig: Rig, fps: float,
 def write_smpl_npz(path: str | os.PathLike, sol, rig: Rig, fps: float,
                    overwrite: bool = True, world: str = 'rig') -> None:
   """`io.smpl.smpl_arrays` of a `solver.Solution`, written atomically."""
+  fps = check_frame_rate(fps)
   write_npz_atomic(path, smpl.smpl_arrays(sol, rig, fps, world), overwrite)
 
 

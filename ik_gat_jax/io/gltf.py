@@ -45,7 +45,7 @@ import pygltflib
 from ik_gat_jax import padding
 from ik_gat_jax import rotations
 from ik_gat_jax import skeleton
-from ik_gat_jax.errors import InputError
+from ik_gat_jax.errors import InputError, check_frame_rate
 from ik_gat_jax.io import atomic
 from ik_gat_jax.io import retarget
 from ik_gat_jax.skeleton import Rig
@@ -212,8 +212,7 @@ def solution_glb(sol, rig: Rig, fps: float, names: Sequence[str] | None = None) 
   J = rig.num_joints
   if len(names) != J:
     raise InputError(f'{len(names)} joint names for the {J} joints of rig {rig.name!r}')
-  if not fps > 0:
-    raise InputError(f'fps must be positive, got {fps}')
+  fps = check_frame_rate(fps)
   local = np.asarray(sol.local_rot, np.float64)
   root = np.asarray(sol.positions_fk, np.float64)[:, 0]
   offsets = np.asarray(sol.offsets, np.float64)
