@@ -193,7 +193,8 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
     raise FileNotFoundError(f'input {input} does not exist')
   load = functools.partial(
       solver_lib.IKSolver.from_checkpoint, checkpoint, expected_rig=rig,
-      block_size=block_size or solver_lib.DEFAULT_BLOCK, refine_iters=refine_iters,
+      block_size=solver_lib.DEFAULT_BLOCK if block_size is None else block_size,
+      refine_iters=refine_iters,
       offsets_from=offsets_from, joint_map=joint_map,
       refine_prior=None if refine_prior in (None, '', 'none') else refine_prior,
       bvh_units=offsets_units, mirror=mirror, workers=workers, attention=attention,

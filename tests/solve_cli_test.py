@@ -165,6 +165,15 @@ def test_outputs_that_collide_or_a_clip_that_is_no_gif_are_refused_before_solvin
   with pytest.raises(InputError, match=r'--clip must be a .gif or a directory .* got .*x.mp4'):
     solve.solve_file(path, out, checkpoint=ckpt, clip=str(tmp_path / 'x.mp4'), log=_quiet)
   assert sorted(q.name for q in tmp_path.iterdir()) == []
+  with pytest.raises(InputError, match=r'block_size must be >= 1'):
+    solve.solve_file(path, out, checkpoint=ckpt, block_size=0, log=_quiet)
+
+
+def test_an_unknown_joint_map_is_named_as_one(ckpt, cmu_dir, tmp_path):
+  with pytest.raises(InputError, match=r"^no joint map 'nonexistent': neither a file nor a "
+                     r'built-in joint map \(cmu_body\)'):
+    solve.solve_file(cmu_dir / '07_05.bvh', tmp_path / 'o.npz', checkpoint=ckpt,
+                     joint_map='nonexistent', log=_quiet)
 
 
 def test_smpl_output_refused_for_cmu_rig(ckpt, clip_npz, tmp_path):
