@@ -824,6 +824,43 @@ def test_csv_byte_order_mark_and_r_s_na(solver, tmp_path):
     exports.read_positions_csv(tmp_path / 'bad.csv', rig)
 
 
+def test_csv_headers_as_people_write_them(solver, tmp_path):
+  """A header naming the joints in another case (`rightarm_x`, in another order) is read by
+  name (it was taken for an opaque header: the columns read in rig order, left and right
+  swapped, silently), and the solution names the joints as it did; a header naming other
+  joints warns that the columns are read in rig order; a column named twice is refused (the
+  last won); a European file (semicolons, decimal commas) is read."""
+  rig = solver.rig
+  pos = posed_clip(rig, solver.offsets, T=3)
+  perm = np.random.default_rng(1).permutation(rig.num_joints)
+  cols = [f'{rig.joint_names[j].lower()}_{a}' for j in perm for a in 'xyz']
+  rows = [','.join(f'{v:.9f}' for v in r) for r in pos[:, perm].reshape(3, -1)]
+  (tmp_path / 'lower.csv').write_text(','.join(cols) + '\n' + '\n'.join(rows) + '\n')
+  got = exports.read_positions(tmp_path / 'lower.csv', rig)
+  np.testing.assert_allclose(got.positions, pos, atol=1e-8)
+  assert got.names == tuple(n.lower() for n in rig.joint_names)
+  generic = [f'j{j}_{a}' for j in range(rig.num_joints) for a in 'xyz']
+  plain = [','.join(f'{v:.9f}' for v in r) for r in pos.reshape(3, -1)]
+  (tmp_path / 'generic.csv').write_text(','.join(generic) + '\n' + '\n'.join(plain) + '\n')
+  with pytest.warns(UserWarning, match=r"names joints j0, j1, j10, j11 ..., none of rig "
+                    r"'cmu_body'.s: its columns are read in the rig.s joint order"):
+    np.testing.assert_allclose(exports.read_positions_csv(tmp_path / 'generic.csv', rig), pos,
+                               atol=1e-8)
+  (tmp_path / 'twice.csv').write_text(','.join(cols + cols[:3]) + '\n' + '\n'.join(
+      r + ',0,0,0' for r in rows) + '\n')
+  with pytest.raises(InputError, match=r"twice.csv: the header names column '[a-z]+_x' twice "
+                     r'\(fields 1 and 64\)'):
+    exports.read_positions_csv(tmp_path / 'twice.csv', rig)
+  euro = [';'.join(f'{v:.9f}'.replace('.', ',') for v in r) for r in pos.reshape(3, -1)]
+  header = ';'.join(f'{n}_{a}' for n in rig.joint_names for a in 'xyz')
+  for name, text in (('euro.csv', header + '\n' + '\n'.join(euro)),
+                     ('euro_plain.csv', '\n'.join(euro)),
+                     ('tabs.csv', '\n'.join(r.replace(';', '\t') for r in euro))):
+    (tmp_path / name).write_text(text + '\n')
+    np.testing.assert_allclose(exports.read_positions_csv(tmp_path / name, rig), pos,
+                               atol=1e-8, err_msg=name)
+
+
 def test_npz_that_is_not_one_or_has_a_bad_fps(solver, tmp_path):
   """A text file named .npz, and an `fps` that is not one positive number, are refused in
   one line naming the file."""

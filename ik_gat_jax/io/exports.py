@@ -5,10 +5,13 @@ Readers return positions `[T, J, 3]` in the rig's joint order:
   `joint_names` (reordered to the rig's by name; a namespace they all carry dropped), `fps`,
   `offsets [J, 3]` (metres).
 - csv: one frame per row, J x 3 columns (x, y, z per joint in rig order), comma, semicolon, tab
-  or whitespace separated; a header row is optional. A header naming columns `<joint>_<axis>`
-  (or `<joint>.<axis>`) with the rig's joint names picks and orders them (every joint's x, y, z
-  must be there; other columns, such as pandas' index or a time, are left out; a namespace all
-  its joint names carry, `Anna:Hips_x`, is dropped, as for a BVH's joints). With a comma,
+  or whitespace separated (the first row's separator, a semicolon before a tab before a comma,
+  holds for the file; with a semicolon or a tab, decimal commas are read); a header row is
+  optional. A header naming columns `<joint>_<axis>` (or `<joint>.<axis>`) with the rig's joint
+  names, in any case, picks and orders them (every joint's x, y, z must be there, once; other
+  columns, such as pandas' index or a time, are left out; a namespace all its joint names
+  carry, `Anna:Hips_x`, is dropped, as for a BVH's joints); one naming only other joints is
+  read in rig order, in a warning. With a comma,
   semicolon or tab between fields an empty field is a missing value (NaN, as pandas writes one;
   a joint the solver then refuses or holds, `hold_missing`), as is `NA` or `N/A` (R's), and one
   separator after the last field is allowed. The first row is a header where it holds more
@@ -231,9 +234,8 @@ def read_positions(path: str | os.PathLike, rig: Rig, *, joint_map: str | None =
   if ext == '.npz':
     return read_positions_npz(path, rig)
   if ext == '.csv':
-    table, space = _read_csv(path, rig)
-    return PositionsFile(table, names=None if space is None else tuple(
-        space + n for n in rig.joint_names), namespace=space or '')
+    table, names, space = _read_csv(path, rig)
+    return PositionsFile(table, names=names, namespace=space)
   if ext == '.bvh':
     return read_bvh_clip(path, rig, joint_map=joint_map, units=bvh_units, fps=bvh_fps,
                          reference_pose=reference_pose)
@@ -304,18 +306,27 @@ def _is_number(text: str) -> bool:
     return False
 
 
-def _csv_fields(line: str, expected: int) -> list[str]:
-  """A row's fields: split at its commas, else semicolons, else tabs, keeping empty fields
-  (missing values; one trailing separator dropped when the row then has `expected`), else at
-  runs of whitespace."""
+def _csv_separator(line: str) -> str | None:
+  """A file's field separator, from its first row (its second where the first, a header, has
+  none): a semicolon, else a tab, else a comma (so a
+  semicolon- or tab-separated file may write decimal commas, as European locales do), else None
+  (runs of whitespace)."""
+  return next((sep for sep in (';', '\t', ',') if sep in line), None)
+
+
+def _csv_fields(line: str, expected: int, sep: str | None) -> list[str]:
+  """A row's fields split at `sep` (`_csv_separator`), keeping empty fields (missing values;
+  one trailing separator dropped when the row then has `expected`), else at runs of
+  whitespace; a decimal comma read as a point where the separator is not a comma."""
   text = line.strip()
-  for sep in (',', ';', '\t'):
-    if sep in text:
-      fields = [f.strip() for f in text.split(sep)]
-      if len(fields) == expected + 1 and fields[-1] == '':
-        fields.pop()
-      return fields
-  return text.split()
+  if sep is None:
+    return text.split()
+  fields = [f.strip() for f in text.split(sep)]
+  if len(fields) == expected + 1 and fields[-1] == '':
+    fields.pop()
+  if sep != ',':
+    fields = [f.replace(',', '.') if _is_number(f.replace(',', '.')) else f for f in fields]
+  return fields
 
 
 def read_positions_csv(path: str | os.PathLike, rig: Rig) -> np.ndarray:
@@ -323,26 +334,28 @@ def read_positions_csv(path: str | os.PathLike, rig: Rig) -> np.ndarray:
   return _read_csv(path, rig)[0]
 
 
-def _read_csv(path: str | os.PathLike, rig: Rig) -> tuple[np.ndarray, str | None]:
-  """(`read_positions_csv`, the namespace of a header that names the joints, '' for none, or
-  None where no header names them)."""
+def _read_csv(path: str | os.PathLike, rig: Rig
+              ) -> tuple[np.ndarray, tuple[str, ...] | None, str]:
+  """(`read_positions_csv`, the header's names of the rig's joints (namespace included) where
+  it names them, else None, and the namespace they carry, '' for none)."""
   text = Path(path).read_text(encoding='utf-8-sig')  # Excel's "CSV UTF-8" opens with a BOM
   lines = [(i + 1, line) for i, line in enumerate(text.splitlines())
            if line.strip() and not line.lstrip().startswith('#')]
   if not lines:
     raise InputError(f'{path}: no rows')
   J = rig.num_joints
-  header, order, width, space = None, None, 3 * J, None
-  first = _csv_fields(lines[0][1], width)
+  header, order, width, names, space = None, None, 3 * J, None, ''
+  sep = next((c for c in (_csv_separator(line) for _, line in lines[:2]) if c), None)
+  first = _csv_fields(lines[0][1], width, sep)
   words = sum(f not in _CSV_MISSING and not _is_number(f) for f in first)
   if words > sum(_is_number(f) for f in first):  # a header: more words than numbers
     header, lines = first, lines[1:]
-    order, space = _header_order(header, rig, path)
+    order, names, space = _header_order(header, rig, path)
     if order is not None:  # named columns: the others (an index, a time) are left out
       width = len(header)
   rows = []
   for lineno, line in lines:
-    fields = _csv_fields(line, width)
+    fields = _csv_fields(line, width, sep)
     if len(fields) != width:
       what = ('as many as the header names' if order is not None else
               f'x, y, z of the {J} joints of rig {rig.name!r} in order: '
@@ -356,25 +369,45 @@ def _read_csv(path: str | os.PathLike, rig: Rig) -> tuple[np.ndarray, str | None
   if not rows:
     raise InputError(f'{path}: a header but no frames')
   table = np.asarray(rows, np.float64)
-  return (table if order is None else table[:, order]).reshape(len(rows), J, 3), space
+  return (table if order is None else table[:, order]).reshape(len(rows), J, 3), names, space
 
 
-def _header_order(header: list[str], rig: Rig, path) -> tuple[list[int] | None, str | None]:
-  """(The header's columns of the rig's joints' x, y, z, in rig order, and the namespace its
-  joint names carry) when it names them (`<rig joint>_<axis>`; other fields, such as a pandas
-  index or a time, are left out), else (None, None): an opaque header, columns in rig order."""
+def _header_order(header: list[str], rig: Rig, path
+                  ) -> tuple[list[int] | None, tuple[str, ...] | None, str]:
+  """(The header's columns of the rig's joints' x, y, z, in rig order, its names of the rig's
+  joints, namespace included, and the namespace they carry) when it names them (`<rig
+  joint>_<axis>`, the joint's name in any case; other fields, such as a pandas index or a time,
+  are left out), else (None, None, ''): an opaque header, columns in rig order (a warning where
+  it names other joints). A column named twice is refused."""
   parsed = [re.fullmatch(r'(.+?)[_.:]([xyzXYZ])', h) for h in header]
   space = bvh.namespace([m.group(1) for m in parsed if m])  # 'Anna:Hips_x': as a BVH's joints
   named = [(m.group(1)[len(space):], m.group(2).lower()) if m else None for m in parsed]
-  index = {f: k for k, f in enumerate(named) if f and f[0] in rig.joint_names}
+  folded = {n.casefold(): n for n in rig.joint_names}
+  if len(folded) < rig.num_joints:  # names that differ only in case: they must match exactly
+    folded = {}
+  index, spelled = {}, {}
+  for k, f in enumerate(named):
+    joint = None if not f else f[0] if f[0] in rig.joint_names else folded.get(f[0].casefold())
+    if joint is None:
+      continue
+    if (joint, f[1]) in index:
+      raise InputError(f'{path}: the header names column {header[k]!r} twice (fields '
+                       f'{index[(joint, f[1])] + 1} and {k + 1})')
+    index[(joint, f[1])], spelled[joint] = k, space + f[0]
   if not index:
-    return None, None
+    others = sorted({f[0] for f in named if f})
+    if len(others) >= 3:
+      warnings.warn(f'{path}: the header names joints {", ".join(others[:4])}'
+                    f'{" ..." if len(others) > 4 else ""}, none of rig {rig.name!r}\'s: its '
+                    f'columns are read in the rig\'s joint order ({", ".join(rig.joint_names[:4])}'
+                    ' ...)', stacklevel=4)
+    return None, None, ''
   need = [(n, a) for n in rig.joint_names for a in 'xyz']
   missing = [f'{n}_{a}' for n, a in need if (n, a) not in index]
   if missing:
     raise InputError(f'{path}: header lacks columns {", ".join(missing[:6])}'
                      f'{" ..." if len(missing) > 6 else ""}')
-  return [index[k] for k in need], space
+  return [index[k] for k in need], tuple(spelled[n] for n in rig.joint_names), space
 
 
 def _axis_name(v: Sequence[float]) -> str:
