@@ -248,7 +248,7 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
     # map's): bones 4x off mean other units, and rotations solved from them mean nothing.
     arr = (source.positions if source.metres_rig
            else solver.prepare(source.positions, input_axes=M, check=False)[0])
-    problem = solver_lib.units_problem(arr, rig, source.bvh_units_m or 1.0)
+    problem = solver_lib.units_problem(arr, rig, source.bvh_units_m or 1.0, defaulted=True)
     if problem:
       raise InputError(f'{problem} (no --units given)')
   if source.metres_rig and solver_lib.all_finite(source.positions):

@@ -151,6 +151,7 @@ MAX_WORKERS = 4
 # Unreal is z-up, x-forward, y-right, left-handed (and in centimetres: --units=cm).
 AXIS_PRESETS = {'unity': '-x,y,z', 'unreal': '-y,z,x'}
 _UNIT_WARN_RATIO = 4.0  # median bone length this far from the template's: likely units problem
+_UNIT_MATCH_RATIO = 1.15  # with default units, this near another unit's ratio: that unit
 # A subject's rest pose is another one than the model's beyond these (skeleton.py).
 REST_POSE_WARN_DEG = skeleton.REST_POSE_WARN_DEG
 _REST_BONE_WARN_DEG = skeleton.REST_BONE_WARN_DEG
@@ -436,11 +437,15 @@ def units_hint(ratio: float, scale: float) -> str:
 _PLAUSIBILITY_FRAMES = 512  # check_plausibility judges at most this many frames of a clip
 
 
-def units_problem(positions: np.ndarray, rig: Rig, scale: float = 1.0) -> str | None:
+def units_problem(positions: np.ndarray, rig: Rig, scale: float = 1.0,
+                  defaulted: bool = False) -> str | None:
   """What is wrong with the units of `positions [T, J, 3]` (metres after `scale` metres per
   input unit, rig axes; frames with a missing joint not counted): median bone lengths over
   `_UNIT_WARN_RATIO` times the template's or under its inverse, with the `--units` that would
-  fit; None when they are plausible, or nothing can be judged (no template, no whole frame)."""
+  fit; None when they are plausible, or nothing can be judged (no template, no whole frame).
+  `defaulted` (nobody named the units: a default was taken): also bones within
+  `_UNIT_MATCH_RATIO` of what another named unit would give (inches read as centimetres:
+  0.39x, a body 70 cm tall; `--units` says otherwise)."""
   try:
     rig.template()
   except RigError:
@@ -452,6 +457,10 @@ def units_problem(positions: np.ndarray, rig: Rig, scale: float = 1.0) -> str | 
   if ratio < 1e-9:
     return 'bone lengths are ~0: every joint sits at the same place?'
   if not 1 / _UNIT_WARN_RATIO < ratio < _UNIT_WARN_RATIO:
+    return f'bone lengths are {ratio:.3g}x the template\'s ({rig.name}): {units_hint(ratio, scale)}'
+  if defaulted and any(abs(math.log(ratio * UNITS[name] / scale)) < math.log(_UNIT_MATCH_RATIO)
+                       and abs(math.log(UNITS[name] / scale)) > math.log(1.5)
+                       for name in _UNIT_LABELS):
     return f'bone lengths are {ratio:.3g}x the template\'s ({rig.name}): {units_hint(ratio, scale)}'
   return None
 

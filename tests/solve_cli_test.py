@@ -420,7 +420,8 @@ def _with_extra_finger(m: bvh.BVHMotion, under: str) -> bvh.BVHMotion:
 def test_other_exports_of_a_cmu_file(ckpt, cmu_dir, tmp_path):
   """What another tool makes of a cgspeed CMU file: a joint more (left out, in a warning,
   the same solution), one frame (the T-pose frame the joint map leaves out: said), and this
-  project's own BVH of it read back without --units (refused, naming CMU's units)."""
+  project's own BVH of it read back without --units (refused, naming CMU's units, or inches).
+  """
   m = bvh.read_bvh(cmu_dir / '07_05.bvh')
   m = dataclasses.replace(m, motion=m.motion[:6])
   bvh.write_bvh(tmp_path / 'clip.bvh', m, precision=None)
@@ -449,6 +450,18 @@ def test_other_exports_of_a_cmu_file(ckpt, cmu_dir, tmp_path):
   with np.load(tmp_path / 'clip.npz') as a, np.load(tmp_path / 'back.npz') as b:
     # The written angles to 1e-6 deg (2e-8 rad over a 2 m chain: 4e-8 m) and FK in float32
     # (about 1e-7 relative on 1 m: 1e-6 m over the chain's 20 products): 2e-5 m is 10x that.
+    np.testing.assert_allclose(b['positions'], a['positions_fk'], atol=2e-5)
+  # In inches, read back without --units as centimetres, its bones are 0.39x the template's,
+  # inside the band a subject's size may take, but where inches would put them: refused too.
+  solve.solve_file(tmp_path / 'clip.bvh', tmp_path / 'inch.bvh', checkpoint=ckpt,
+                   bvh_units='inch', log=_quiet)
+  with pytest.raises(InputError, match=r'0.3\d+x the template.s .*looks like inches: pass '
+                     r'--units=inch \(no '):
+    solve.solve_file(tmp_path / 'inch.bvh', tmp_path / 'back_in.npz', checkpoint=ckpt,
+                     log=_quiet)
+  solve.solve_file(tmp_path / 'inch.bvh', tmp_path / 'back_in.npz', checkpoint=ckpt,
+                   units='inch', log=_quiet)
+  with np.load(tmp_path / 'clip.npz') as a, np.load(tmp_path / 'back_in.npz') as b:
     np.testing.assert_allclose(b['positions'], a['positions_fk'], atol=2e-5)
 
 

@@ -851,6 +851,11 @@ def test_csv_headers_as_people_write_them(solver, tmp_path):
   with pytest.raises(InputError, match=r"twice.csv: the header names column '[a-z]+_x' twice "
                      r'\(fields 1 and 64\)'):
     exports.read_positions_csv(tmp_path / 'twice.csv', rig)
+  for start in (0, 1):  # pandas' header of unnamed columns: a header, not a frame
+    (tmp_path / 'counted.csv').write_text(','.join(str(k + start) for k in range(
+        3 * rig.num_joints)) + '\n' + '\n'.join(plain) + '\n')
+    np.testing.assert_allclose(exports.read_positions_csv(tmp_path / 'counted.csv', rig), pos,
+                               atol=1e-8)
   euro = [';'.join(f'{v:.9f}'.replace('.', ',') for v in r) for r in pos.reshape(3, -1)]
   header = ';'.join(f'{n}_{a}' for n in rig.joint_names for a in 'xyz')
   for name, text in (('euro.csv', header + '\n' + '\n'.join(euro)),

@@ -15,7 +15,7 @@ Readers return positions `[T, J, 3]` in the rig's joint order:
   semicolon or tab between fields an empty field is a missing value (NaN, as pandas writes one;
   a joint the solver then refuses or holds, `hold_missing`), as is `NA` or `N/A` (R's), and one
   separator after the last field is allowed. The first row is a header where it holds more
-  words than numbers; a UTF-8 byte order mark (Excel's "CSV UTF-8") is read past.
+  words than numbers, or counts the columns (0, 1, 2, ...: pandas' labels of unnamed ones); a UTF-8 byte order mark (Excel's "CSV UTF-8") is read past.
 - BVH: joint positions by FK, reduced to the rig with `io.retarget` (the file's own
   rest offsets come along). A BVH that has every rig joint by name (e.g. one this module wrote)
   is reduced by name, extra subtrees pruned, in centimetres unless `units` says otherwise; any
@@ -348,7 +348,9 @@ def _read_csv(path: str | os.PathLike, rig: Rig
   sep = next((c for c in (_csv_separator(line) for _, line in lines[:2]) if c), None)
   first = _csv_fields(lines[0][1], width, sep)
   words = sum(f not in _CSV_MISSING and not _is_number(f) for f in first)
-  if words > sum(_is_number(f) for f in first):  # a header: more words than numbers
+  counting = first in ([str(k) for k in range(len(first))],  # pandas' labels of unnamed
+                       [str(k + 1) for k in range(len(first))])  # columns: 0, 1, 2, ...
+  if words > sum(_is_number(f) for f in first) or (counting and len(first) > 3):  # a header
     header, lines = first, lines[1:]
     order, names, space = _header_order(header, rig, path)
     if order is not None:  # named columns: the others (an index, a time) are left out
