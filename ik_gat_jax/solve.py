@@ -253,6 +253,12 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
       raise InputError(f'{problem} (no --units given)')
   if source.metres_rig and solver_lib.all_finite(source.positions):
     # Read at the BVH's units already: a units hint names the file's (--units=cm, not 0.18).
+    # Its offsets came in the same units, so units that make no human are refused here, by
+    # the units (the solver would refuse the offsets, which the user did not give).
+    problem = units is not None and solver_lib.units_problem(source.positions, rig,
+                                                             source.bvh_units_m or 1.0)
+    if problem:
+      raise InputError(f'{problem} (--units={units} given)')
     solver_lib.check_plausibility(source.positions @ M.T, rig, source.bvh_units_m or 1.0,
                                   input_axes=M)
   missing = ~np.isfinite(np.asarray(source.positions, np.float64)).all(axis=-1)  # [T, J]

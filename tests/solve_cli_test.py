@@ -461,6 +461,11 @@ def test_other_exports_of_a_cmu_file(ckpt, cmu_dir, tmp_path):
                      log=_quiet)
   solve.solve_file(tmp_path / 'inch.bvh', tmp_path / 'back_in.npz', checkpoint=ckpt,
                    units='inch', log=_quiet)
+  # Wrong units given: refused by the units (it blamed offsets the user never gave).
+  with pytest.raises(InputError, match=r'looks like CMU.s units .*: pass --units=cmu '
+                     r'\(--units=cm given\)$'):
+    solve.solve_file(tmp_path / 'clip.bvh', tmp_path / 'cm.npz', checkpoint=ckpt, units='cm',
+                     log=_quiet)
   with np.load(tmp_path / 'clip.npz') as a, np.load(tmp_path / 'back_in.npz') as b:
     np.testing.assert_allclose(b['positions'], a['positions_fk'], atol=2e-5)
 
