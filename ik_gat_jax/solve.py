@@ -211,6 +211,10 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   if source.first_dropped is not None:
     log(f'the first frame left out: joint map {source.first_dropped} reads it as the T-pose its '
         'files open with')
+  if source.first_kept is not None:
+    log(f'the first frame kept: joint map {source.first_kept} leaves out the T-pose its files '
+        'open with, and this clip\'s first frame moves on into its second (a clip cut from a '
+        'file)')
   if source.reference is not None:  # another bind of the rig: the input's own rotations
     if kind == 'smpl' or smpl_npz is not None:
       raise InputError('SMPL pose parameters are in SMPL\'s own joint frames, and this '

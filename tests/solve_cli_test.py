@@ -419,7 +419,8 @@ def _with_extra_finger(m: bvh.BVHMotion, under: str) -> bvh.BVHMotion:
 @pytest.mark.filterwarnings('ignore:up axis looks wrong')  # an untrained model's poses
 def test_other_exports_of_a_cmu_file(ckpt, cmu_dir, tmp_path):
   """What another tool makes of a cgspeed CMU file: a joint more (left out, in a warning,
-  the same solution), one frame (the T-pose frame the joint map leaves out: said), and this
+  the same solution), one frame (the T-pose frame the joint map leaves out: said; a clip cut
+  from the file's middle keeps its first), and this
   project's own BVH of it read back without --units (refused, naming CMU's units, or inches).
   """
   m = bvh.read_bvh(cmu_dir / '07_05.bvh')
@@ -437,6 +438,16 @@ def test_other_exports_of_a_cmu_file(ckpt, cmu_dir, tmp_path):
     assert a['local_rot'].shape[0] == 5
     for key in ('positions', 'local_rot', 'offsets'):
       np.testing.assert_array_equal(a[key], b[key])
+  # Cut from the middle of the file: no T-pose to leave out, every frame solved (one lost
+  # before), in a line that says so; one frame of it too.
+  full = bvh.read_bvh(cmu_dir / '07_05.bvh')
+  for frames in (slice(10, 16), slice(10, 11)):
+    bvh.write_bvh(tmp_path / 'cut.bvh', dataclasses.replace(full, motion=full.motion[frames]))
+    lines = []
+    summary = solve.solve_file(tmp_path / 'cut.bvh', tmp_path / 'cut.npz', checkpoint=ckpt,
+                               log=lines.append, overwrite=True)
+    assert summary['frames'] == frames.stop - frames.start
+    assert any('first frame kept: joint map cmu_body' in line for line in lines), lines
   bvh.write_bvh(tmp_path / 'one.bvh', dataclasses.replace(m, motion=m.motion[:1]))
   with pytest.raises(InputError, match='no frames to solve .joint map cmu_body leaves out the '
                      'first'):

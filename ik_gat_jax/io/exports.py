@@ -178,7 +178,9 @@ class PositionsFile:
   `[J, 3, 3]` the world frames (rig world) of its joints in the rig's natural pose where its joint
   map names one (`reference_pose`: its zero pose is another pose; `skeleton.with_reference_pose`),
   else None; None otherwise; first_dropped: the name of the joint map that left the file's first
-  frame out (its T-pose frame: cgspeed CMU), else None; names: per rig joint the input's own
+  frame out (its T-pose frame: cgspeed CMU), else None; first_kept: the name of the joint map
+  that would have, where the clip does not open with a pose of its own (cut from the middle of
+  a file: `retarget.opens_with_its_own_pose`), else None; names: per rig joint the input's own
   name for it where the input names its joints (a BVH's source joint through its joint map, an
   npz's `joint_names`, a CSV header's), namespace included (`Anna:Hips`), else None; namespace:
   the one every name of the input carried ('' for none), which a BVH's `bvh_removed` joints
@@ -194,6 +196,7 @@ class PositionsFile:
   bvh_units_m: float | None = None
   reference: np.ndarray | None = None
   first_dropped: str | None = None
+  first_kept: str | None = None
   names: tuple[str, ...] | None = None
   namespace: str = ''
 
@@ -499,7 +502,10 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
     # A joint map's 'first_frame' meant the first file of its conversion (the rig's reference
     # pose already), not this clip's first frame: only `reference_pose` says so of this clip.
     jmap = dataclasses.replace(jmap, reference_pose=reference_pose)
-  first = 1 if jmap.drop_first_frame else 0  # the joint map's T-pose frame (cgspeed CMU)
+  # The joint map's T-pose frame (cgspeed CMU), where the clip opens with one (not one cut from
+  # the middle of a file).
+  kept = jmap.drop_first_frame and not retarget.opens_with_its_own_pose(motion, jmap.units)
+  first = 1 if jmap.drop_first_frame and not kept else 0
   stop = None if max_frames is None else first + max_frames
   motion = dataclasses.replace(motion, motion=motion.motion[first:stop])
   if motion.num_frames < 1:
@@ -526,6 +532,7 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
                        bvh_orders=source_rotation_orders(motion, jmap, rig),
                        bvh_units_m=jmap.units, reference=F,
                        first_dropped=jmap.name if first else None,
+                       first_kept=jmap.name if kept else None,
                        names=tuple(space + source.get(n, n) for n in rig.joint_names),
                        namespace=space)
 

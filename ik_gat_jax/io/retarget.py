@@ -627,6 +627,25 @@ def resample(reduced: ReducedMotion, fps_in: float, fps_out: float) -> ReducedMo
 
 
 
+FIRST_FRAME_JUMP_M = 0.15  # frame 0 this far from frame 1 (a joint, root-relative): its own pose
+
+
+def opens_with_its_own_pose(motion: bvh.BVHMotion, units_m: float) -> bool:
+  """Whether `motion`'s frame 0 is a pose apart from the clip, as a joint map's
+  `drop_first_frame` says of its files (cgspeed CMU's open with a T-pose): its rotation channels
+  all whole numbers (cgspeed writes that frame so), or a joint `FIRST_FRAME_JUMP_M` or more
+  from where frame 1 has it, relative to the root (CMU: 0.31-1.2 m; a body moves 1-2 cm between
+  frames at 120 fps). False for a clip cut from the middle of a file, whose frame 0 moves on
+  into frame 1."""
+  whole = all(np.allclose(motion.rotation_degrees(j)[0], np.round(motion.rotation_degrees(j)[0]),
+                          rtol=0.0, atol=1e-9) for j in range(len(motion.joints)))
+  if whole or motion.num_frames < 2:
+    return whole
+  p = bvh.naive_fk_np(dataclasses.replace(motion, motion=motion.motion[:2]), units_m)
+  p = p - p[:, :1]
+  return float(np.linalg.norm(p[0] - p[1], axis=-1).max()) >= FIRST_FRAME_JUMP_M
+
+
 def read_motion(path: str | os.PathLike, drop_first_frame: bool) -> tuple[bvh.BVHMotion, int]:
   """Parses a BVH file, dropping frame 0 if asked; returns (motion, frames in the file)."""
   try:
