@@ -260,6 +260,7 @@ def _conversion(o: Options, w: Path, m: Manifest) -> tuple[list, dict]:
       raise ValueError(f'{shards} was converted from other files than --bvh={o.bvh} '
                        f'({len(new)} new, {len(gone)} missing, {len(changed)} changed): use a new '
                        '--workdir')
+    _check_joint_map_unchanged(o, shards)
     old = m.key('convert')
     if old is not None and old != key and _same_units(old, key, shards):
       key = dict(key, units=old['units'])  # --units=cm where the conversion's auto found cm
@@ -269,6 +270,22 @@ def _conversion(o: Options, w: Path, m: Manifest) -> tuple[list, dict]:
       raise ValueError(f'{shards} was converted with {was}: rerun with that, or use a new '
                        '--workdir')
   return files, key
+
+
+def _check_joint_map_unchanged(o: Options, shards: Path) -> None:
+  """Refuses shards converted with a joint-map file (`--rig=FILE.json`) whose text has changed
+  since (units, frames dropped, names: the shards would no longer be what it describes)."""
+  if o.rig == 'auto' or not Path(o.rig).is_file():
+    return
+  try:
+    used = json.loads((shards / 'summary.json').read_text())['runs'][-1]['joint_map_sha256']
+  except (OSError, ValueError, KeyError, IndexError):
+    return
+  now = retarget.load_joint_map(o.rig).sha256
+  if used and now != used:
+    raise ValueError(f'{shards} was converted with another {o.rig}: the joint map has changed '
+                     f'since (sha256 {used[:12]} then, {now[:12]} now): put it back, or use a new '
+                     '--workdir')
 
 
 def _same_units(old: dict, key: dict, shards: Path) -> bool:

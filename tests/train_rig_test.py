@@ -271,6 +271,32 @@ def test_a_failed_stage_is_recorded(tmp_path, cmu_dir):
   assert not (tmp_path / 'w' / 'shards').exists()
 
 
+def test_a_joint_map_edited_after_the_conversion_is_refused(tmp_path, cmu_dir):
+  """Shards converted with `--rig=MAP.json`, then the map edited (units, dropped frames): a
+  rerun is refused in one line (it went on with the stale shards, silently); the map put back,
+  it goes on."""
+  (tmp_path / 'bvh').mkdir()
+  (tmp_path / 'bvh' / '09_03.bvh').symlink_to(cmu_dir / '09_03.bvh')
+  doc = json.loads((REPO / 'ik_gat_jax/io/joint_maps/cmu_body.json').read_text())
+  doc.pop('$schema')
+  jmap = tmp_path / 'map.json'
+  jmap.write_text(json.dumps(doc))
+  o = train_rig.Options(bvh=str(tmp_path / 'bvh'), workdir=str(tmp_path / 'w'), rig=str(jmap))
+  w = Path(o.workdir)
+  w.mkdir()
+  m = train_rig.Manifest(w, {})
+  files, key = train_rig._conversion(o, w, m)
+  train_rig._convert(o, w, m, lambda msg: None, '[1/5]', files, key)
+  assert train_rig._conversion(o, w, m)[1] == key  # unchanged: goes on
+  jmap.write_text(json.dumps(dict(doc, units=0.01, drop_first_frame=False)))
+  with pytest.raises(ValueError, match=r'was converted with another .*map.json: the joint map '
+                     r'has changed since \(sha256 [0-9a-f]{12} then, [0-9a-f]{12} now\): put it '
+                     r'back, or use a new --workdir$'):
+    train_rig._conversion(o, w, m)
+  jmap.write_text(json.dumps(doc))
+  assert train_rig._conversion(o, w, m)[1] == key
+
+
 def test_a_file_outside_the_committed_split_names_train_rig_s_split_rules(tmp_path, cmu_dir):
   (tmp_path / 'bvh').mkdir()
   (tmp_path / 'bvh' / 'zz_99.bvh').symlink_to(cmu_dir / '09_03.bvh')
