@@ -19,7 +19,9 @@ Choices written down (DESIGN leaves them open; the reduction's are in `io.retarg
 - `--units=auto` (`build_joint_map`): `io.units.estimate_units` on the first input file's
   skeleton (bone lengths and End Sites, so a crumpled zero pose does not matter), logged with its
   evidence, refused when no known unit gives a human stature; without --units, `--rig=auto`
-  refuses and names the unit the skeleton suggests.
+  refuses and names the unit the skeleton suggests. Every conversion then refuses a file whose
+  skeleton is `SIZE_RATIO` (2) times the files' median or under its inverse (`other_size`: one
+  file in other units among the others), naming it and the units it looks like.
 - Reference pose (`io.retarget`, module docstring): a joint map's or `--reference_pose`
   declaration is read from the first file to convert; a derived rig stores it, a named rig must
   agree with it.
@@ -584,6 +586,9 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
         f'{clip.seconds:.2f} s')
   if not clips:
     raise ConversionError(f'no file converted ({len(refused)} refused)')
+  odd = other_size(clips, list(shards.offsets), jmap.units)
+  if odd:
+    raise ConversionError(odd)
   reference = None  # the declared reference pose, read from the first converted file
   if jmap.reference_pose not in (None, 'zero'):
     first = Path(clips[0].path)
@@ -676,6 +681,36 @@ def other_bind_warning(rig: skeleton.Rig, clips: Sequence[Clip], derived: bool) 
           f'{" ..." if len(far) > 3 else ""}), so the same pose would train other twists: '
           'convert each bind to its own folder, or name the files\' natural pose '
           '(--reference_pose=first_frame, a joint map "reference_pose")')
+
+
+SIZE_RATIO = 2.0  # a file's skeleton this many times the files' median: other units
+
+
+def other_size(clips: Sequence[Clip], held: Sequence[np.ndarray] = (),
+               units_m: float = 1.0) -> str | None:
+  """Why a file's skeleton is not a human among the others, or None: its summed bone length
+  `SIZE_RATIO` times the median over every file (these `clips` and the shards' `held` offsets)
+  or less than its inverse, as a file in other units gives (inches among centimetres: 2.54x;
+  CMU's units among centimetres: 5.6x), where people of one lab differ far less (children and
+  adults: under 1.8x). Such a file would be trained as a giant or a doll and move the rig's
+  template (`--units=auto` estimates the first file's units only)."""
+  size = lambda off: float(np.linalg.norm(np.asarray(off)[1:], axis=-1).sum())  # noqa: E731
+  sizes = [size(c.offsets) for c in clips]
+  median = float(np.median(sizes + [size(o) for o in held]))
+  if not median > 0:
+    return None
+  odd = [(c, k / median) for c, k in zip(clips, sizes)
+         if not 1 / SIZE_RATIO < k / median < SIZE_RATIO]
+  if not odd:
+    return None
+  clip, ratio = max(odd, key=lambda o: abs(math.log(max(o[1], 1e-12))))
+  want = units_m / ratio  # the units that would make it the median's size
+  name = min(UNITS, key=lambda u: abs(math.log(UNITS[u] / want)))
+  unit = (f' (in {name}: {UNITS[name]:g} m per unit?)'
+          if abs(math.log(UNITS[name] / want)) < math.log(1.3) else '')
+  return (f'{Path(clip.path).name}: its skeleton is {ratio:.3g}x the median of the '
+          f'{len(sizes) + len(held)} files\' ({len(odd)} file(s) so), as in other units{unit}: '
+          'convert files in other units on their own (--units), or leave it out')
 
 
 def doubt_up_axis(clips: Sequence[Clip], jmap: retarget.JointMap) -> str | None:

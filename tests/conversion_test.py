@@ -628,3 +628,29 @@ def test_namespaced_file_and_namespaced_joint_map_read_as_bare(tmp_path, cmu_dir
   (tmp_path / 'map.json').write_text(json.dumps(doc))
   via_map = exports.read_bvh_clip(tmp_path / 'bare.bvh', rig, joint_map=str(tmp_path / 'map.json'))
   np.testing.assert_array_equal(via_map.positions, ref.positions)
+
+
+def test_a_file_in_other_units_among_the_others_is_refused(tmp_path, cmu_dir):
+  """Three CMU files and a fourth re-exported in centimetres (its OFFSETs and root channels
+  x 5.6444): `--units=auto` read the first file's units only, and the fourth trained as a
+  9.8 m body and stretched the derived rig's template 2.2x; refused in one line naming it and
+  the units it looks like. Bodies of one lab (CMU's 0.97-1.04x) pass."""
+  inp = tmp_path / 'in'
+  inp.mkdir()
+  for name in ('07_01', '08_01', '09_01'):
+    m = bvh.read_bvh(cmu_dir / f'{name}.bvh')
+    bvh.write_bvh(inp / f'{name}.bvh', dataclasses.replace(m, motion=m.motion[:21]))
+  kw = dict(split='all', units='auto', prune=FINGERS, drop_first_frame=True, log=quiet)
+  conversion.convert(inp, 'auto', tmp_path / 'ok', **kw)
+  m = bvh.read_bvh(cmu_dir / '09_02.bvh')
+  k = CMU_UNITS / 0.01
+  cm = dataclasses.replace(m, joints=[dataclasses.replace(j, offset=j.offset * k, end_site=None
+                                                          if j.end_site is None else
+                                                          j.end_site * k) for j in m.joints],
+                           motion=np.concatenate([m.motion[:21, :3] * k, m.motion[:21, 3:]], 1))
+  bvh.write_bvh(inp / '10_01.bvh', cm)
+  with pytest.raises(ConversionError, match=r'^10_01.bvh: its skeleton is 5.\d+x the median of '
+                     r'the 4 files. \(1 file\(s\) so\), as in other units \(in cm: 0.01 m per '
+                     r'unit\?\): convert files in other units on their own'):
+    conversion.convert(inp, 'auto', tmp_path / 'mixed', **kw)
+  assert not (tmp_path / 'mixed' / 'summary.json').exists()
