@@ -60,7 +60,6 @@ import hashlib
 import json
 import math
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -72,7 +71,7 @@ from ml_collections import config_flags
 
 from data_prep import conversion
 from experiments import export_checkpoint
-from experiments.common import fail_on_user_error, run_main
+from experiments.common import exit_interrupted, fail_on_user_error, run_main
 from experiments.configs import default as default_config
 from experiments.configs import prior as prior_config
 from experiments.configs import robust as robust_config
@@ -833,8 +832,7 @@ def main(argv):
     with terminate_as_interrupt():
       run(o)
   except KeyboardInterrupt:
-    print('interrupted; rerun the same command to continue', file=sys.stderr)
-    sys.exit(130)
+    exit_interrupted()
 
 
 if __name__ == '__main__':
