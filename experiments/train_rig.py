@@ -349,6 +349,10 @@ def _convert(o: Options, w: Path, m: Manifest, log: Log, tag: str, files: list,
       raise ConversionError(str(e).split('; pass')[0] + f' (joint map {o.rig}\'s committed '
                             'split): pass --split=subject or --split=file to split your files '
                             'by subject or by file') from None
+    if o.split.endswith('.json') and 'is not in split' in str(e):  # --split=YOURS.json
+      raise ConversionError(str(e).split('; pass')[0] + f' ({o.split}): list it there, or pass '
+                            '--split=subject or --split=file to split your files by subject or '
+                            'by file') from None
     raise
   log(f'{tag} convert: done in {time.perf_counter() - t:.1f} s ({summary["total_files"]} files, '
       f'frames {summary["frames"]}, rig {summary["rig"]})')

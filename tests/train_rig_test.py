@@ -306,6 +306,23 @@ def test_a_file_outside_the_committed_split_names_train_rig_s_split_rules(tmp_pa
     train_rig.run(o, log=lambda m: None)
 
 
+def test_a_file_outside_the_user_s_split_json_names_train_rig_s_ways(tmp_path, cmu_dir):
+  """--split=MINE.json lacking a file: the advice names what train_rig takes (it named
+  --split=train|val|test|all, which train_rig refuses)."""
+  from ik_gat_jax import provenance
+  (tmp_path / 'bvh').mkdir()
+  for name in ('07_12', '09_03'):
+    (tmp_path / 'bvh' / f'{name}.bvh').symlink_to(cmu_dir / f'{name}.bvh')
+  mine = tmp_path / 'mine.json'
+  mine.write_text(json.dumps({'name': 'mine', 'files': [
+      {'file': '07_12.bvh', 'subject': '07', 'split': 'train', 'part': None,
+       'sha256': provenance.file_sha256(cmu_dir / '07_12.bvh')}]}))
+  o = train_rig.Options(bvh=str(tmp_path / 'bvh'), workdir=str(tmp_path / 'w'), split=str(mine))
+  with pytest.raises(ValueError, match=r'^09_03.bvh is not in split mine \(.*mine.json\): list '
+                     r'it there, or pass --split=subject or --split=file'):
+    train_rig.run(o, log=lambda m: None)
+
+
 def test_mirror_augmentation_off_for_a_rig_that_is_not_mirror_symmetric(tmp_path):
   """A rig whose natural pose is not mirror-symmetric (its zero pose where it names none:
   another lab's crumpled bind) would stop the training at its first step; train_rig turns
