@@ -506,6 +506,16 @@ def _card_extra(o: Options, w: Path, summary: dict, results: dict, export: Path,
   return '\n'.join(lines)
 
 
+def _card_title(export: Path) -> str:
+  """What an export's card says it holds ('task: ikgat; rig: auto (27 joints)'), or 'no card'."""
+  try:
+    text = (export / 'README.md').read_text(errors='replace')
+  except OSError:
+    return 'no card'
+  line = next((ln for ln in text.splitlines() if ln.startswith('Task:')), 'no card')
+  return '; '.join(line.split('; ')[:2]).replace('Task:', 'task:')
+
+
 def _export(o: Options, w: Path, m: Manifest, summary: dict, results: dict, log: Log,
             tag: str) -> Path:
   export = Path(o.export) if o.export else w / 'checkpoint'
@@ -516,6 +526,10 @@ def _export(o: Options, w: Path, m: Manifest, summary: dict, results: dict, log:
     m.set('export', status='done', skipped=True)
     return export
   log(f'{tag} export: IK-GAT best checkpoint -> {export}')
+  if export.exists() and (m.key('export') or {}).get('export') != key['export']:
+    export_checkpoint.check_replaceable(export)  # an export, or refused before anything
+    log(f'{tag} export: {export} holds an export this workdir did not make '
+        f'({_card_title(export)}): it is replaced')
   m.set('export', status='running', key=key)
   t = time.perf_counter()
   shards = w / 'shards'

@@ -479,3 +479,27 @@ def test_higher_steps_train_further_and_redo_only_what_depends_on_them(rig_run, 
   assert redone == ['ikgat', 'ikgat_calibrated', 'ikgat_10mm', 'ikgat_20mm'], lines
   assert all(manifest['stages'][s]['status'] == 'done' for s in train_rig.STAGES)
   assert manifest['configs']['ikgat']['train']['steps'] == 25
+
+
+def test_an_export_another_workdir_made_is_replaced_in_a_line_that_says_so(rig_run, tmp_path):
+  """`--export=DIR` holding another run's export: replaced (as the README says), in a line
+  naming what its card held (it was replaced without a word); any other folder refused."""
+  import shutil
+  options, _, _ = rig_run
+  work = shutil.copytree(options.workdir, tmp_path / 'work', symlinks=True)
+  other = shutil.copytree(Path(options.workdir) / 'checkpoint', tmp_path / 'other')
+  (other / 'README.md').write_text((other / 'README.md').read_text().replace(
+      'rig: auto', 'rig: their_rig'))
+  lines = []
+  train_rig.run(dataclasses.replace(options, workdir=str(work), export=str(other)),
+                log=lines.append)
+  assert any(ln.startswith(f'[5/5] export: {other} holds an export this workdir did not make '
+                           '(task: ikgat; rig: their_rig') and ln.endswith('it is replaced')
+             for ln in lines), lines
+  assert 'rig: their_rig' not in (other / 'README.md').read_text()
+  (tmp_path / 'data').mkdir()
+  (tmp_path / 'data' / 'keep.txt').write_text('mine')
+  with pytest.raises(ValueError, match='exists and is not a checkpoint export'):
+    train_rig.run(dataclasses.replace(options, workdir=str(work), export=str(tmp_path / 'data')),
+                  log=lambda m: None)
+  assert (tmp_path / 'data' / 'keep.txt').read_text() == 'mine'
