@@ -59,6 +59,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import signal
 import threading
 import time
@@ -720,6 +721,16 @@ def run(o: Options, log: Log = _print) -> dict:
       raise FileNotFoundError(f'--split {o.split} does not exist')
   elif o.split not in SPLIT_RULES:
     raise ValueError(f'--split must be auto, subject, file or a split JSON, got {o.split!r}')
+  if o.subject_regex is not None:
+    try:
+      re.compile(o.subject_regex)
+    except re.error as e:
+      raise ValueError(f'--subject_regex {o.subject_regex!r} is not a regular expression: '
+                       f'{e}') from None
+  for name in ('iters', 'eval_frames'):
+    value = getattr(o, name)
+    if value is not None and not (isinstance(value, int) and value >= 1):
+      raise ValueError(f'--{name} must be a positive integer, got {value!r}')
   c, p = configs(o, w / 'shards')
   train.check_train_config(c.train, '--config.train')
   train.check_train_config(p.train, '--prior_config.train')

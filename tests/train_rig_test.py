@@ -252,7 +252,11 @@ def test_a_failed_stage_is_recorded(tmp_path, cmu_dir):
   for bad, match in ((dict(units='furlong'), '--units'), (dict(split='foo'), '--split'),
                      (dict(bvh=str(tmp_path)), 'no .bvh files'),
                      (dict(rig=str(tmp_path / 'nope.json')), 'nope.json does not exist'),
-                     (dict(fps=0.0), '--fps must be a positive number')):
+                     (dict(fps=0.0), '--fps must be a positive number'),
+                     (dict(subject_regex='('), r"--subject_regex '\(' is not a regular "
+                                                'expression: missing'),
+                     (dict(iters=0), '--iters must be a positive integer, got 0'),
+                     (dict(eval_frames=-5), '--eval_frames must be a positive integer')):
     o = train_rig.Options(**{'bvh': str(tmp_path / 'bvh'), 'workdir': str(tmp_path / 'w'),
                              **bad})
     if 'bvh' in bad:
