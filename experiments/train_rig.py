@@ -699,6 +699,12 @@ def run(o: Options, log: Log = _print) -> dict:
   if o.rig != 'auto' and (o.up, o.forward) != (None, None):
     raise ValueError(f'--up and --forward are for --rig=auto; the joint map {o.rig} names its '
                      'files\' axes itself ("up", "forward")')
+  for flag, axis in (('--up', o.up), ('--forward', o.forward)):
+    if axis is not None:
+      try:
+        retarget.parse_axis(axis)
+      except (ValueError, KeyError) as e:
+        raise ValueError(f'{flag}={axis}: {e}') from None
   if (o.up is None) != (o.forward is None):
     raise ValueError('--up and --forward go together (e.g. --up=z --forward=-y for files '
                      'exported from Blender)')

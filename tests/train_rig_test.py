@@ -228,6 +228,7 @@ def test_z_up_clips_solve_with_the_cards_input_axes(rig_run, tmp_path, z_up_copy
 def test_up_and_forward_are_checked(tmp_path):
   for kw, match in ((dict(rig='cmu_body', up='z', forward='-y'), 'are for --rig=auto'),
                     (dict(up='z'), 'go together'),
+                    (dict(up='q'), r'^--up=q: axis must be one of x, y, z'),
                     (dict(up='z', forward='z'), 'perpendicular')):
     o = train_rig.Options(bvh=str(tmp_path), workdir=str(tmp_path / 'w'), **kw)
     with pytest.raises(Exception, match=match):
