@@ -521,7 +521,8 @@ def _export(o: Options, w: Path, m: Manifest, summary: dict, results: dict, log:
             tag: str) -> Path:
   export = Path(o.export) if o.export else w / 'checkpoint'
   key = {'ikgat': _best(w / 'ikgat', 'ikgat'), 'eval': _digest(m.key('evaluate')),
-         'export': str(export.absolute()), 'acknowledgment': o.acknowledgment}
+         'export': str(export.absolute()), 'acknowledgment': o.acknowledgment,
+         'trained': export_checkpoint.trained_steps(w / 'ikgat')}  # the card says it
   if m.key('export') == key and (export / 'README.md').is_file():
     log(f'{tag} export: already done ({export}), skipped')
     m.set('export', status='done', skipped=True)
