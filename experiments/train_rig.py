@@ -449,8 +449,11 @@ def _evaluate(o: Options, w: Path, m: Manifest, log: Log, tag: str) -> dict:
 def results_table(results: dict, ds) -> str:
   rows = [evaluation.result_cells(results[n], n) for n in EVAL_METHODS if n in results]
   files = sorted({f['file'] for f in ds.files if f['split'] == ds.split})
+  done = {r.get('frames') for r in results.values()} - {None}
+  frames = (f'{len(ds)} frames' if done in (set(), {len(ds)}) else
+            f'{"/".join(str(n) for n in sorted(done))} of its {len(ds)} frames evaluated')
   return '\n'.join([
-      f'{ds.rig.name}: {ds.split} split, {len(ds)} frames, {len(files)} files '
+      f'{ds.rig.name}: {ds.split} split, {frames}, {len(files)} files '
       f'({", ".join(files[:8])}{" ..." if len(files) > 8 else ""})', '',
       evaluation.markdown_grid(evaluation.RESULT_COLUMNS, rows), '',
       'ikgat: this run\'s IK-GAT (best val checkpoint); ikgat_calibrated: the same with '

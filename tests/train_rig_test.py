@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from experiments import export_checkpoint, train_rig
-from ik_gat_jax import inference
+from ik_gat_jax import data, inference
 from ik_gat_jax.io import bvh
 from ik_gat_jax.skeleton import depth_first_order
 
@@ -115,6 +115,10 @@ def test_every_stage_writes_sane_outputs(rig_run):
     assert results[f'{m}_20mm']['local_rot_err_deg'] != results[m]['local_rot_err_deg'], m
   table = (w / 'eval' / 'table.md').read_text()
   assert all(f'| {m} | 66 |' in table for m in train_rig.EVAL_METHODS), table
+  assert table.startswith('auto: test split, 66 frames, 1 files (07_12.bvh)'), table
+  ds = data.load_shards(w / 'shards', 'test')  # --eval_frames=30: the header says so
+  part = train_rig.results_table({m: dict(r, frames=30) for m, r in results.items()}, ds)
+  assert part.startswith('auto: test split, 30 of its 66 frames evaluated, 1 files'), part
   # 5: the exported checkpoint loads, its card has the metrics, data provenance and solve line.
   export = w / 'checkpoint'
   model, meta = inference.load_model(export)
