@@ -83,9 +83,10 @@ def card(meta: dict, test: dict | None, size_bytes: int, name: str,
            f"{meta['data'].get('rig_sha256')}, split sha256 {meta['data'].get('split_sha256')}).",
            f"Code: git {meta['provenance']['git_commit']}, JAX {meta['provenance']['jax_version']},"
            f" Flax {meta['provenance']['flax_version']}, {meta['provenance']['cpu_model']}.", '',
-           '## Validation metrics (best checkpoint)', '',
-           '| field | value |', '|---|---:|']
-  lines += [f'| {k} | {v:.3f} |' for k, v in sorted(m.items()) if isinstance(v, float)]
+           '## Validation metrics (best checkpoint)', '']
+  rows = [f'| {k} | {v:.3f} |' for k, v in sorted(m.items()) if isinstance(v, float)]
+  lines += (['| field | value |', '|---|---:|'] + rows if rows else
+            ['None: the run had no validation split (its last checkpoint is the one here).'])
   if test:
     lines += ['', f'## {test_heading}', '', f"Command: `{test.get('command', '')}`", '',
               '| part | frames | local (deg) | root (deg) | twist (deg) | swing (deg) | MPJPE (mm) |',

@@ -50,3 +50,7 @@ def test_the_card_says_which_step_of_how_many_it_ships(tiny_ikgat_run, run, tmp_
       {**meta, 'step': 40}, None, 10**6, 'x', trained=60)
   export_checkpoint.export_run(run, tmp_path / 'b', acknowledgment=None)  # no run: steps unknown
   assert '; checkpoint: step 0 (not validated); size' in (tmp_path / 'b' / 'README.md').read_text()
+  assert '| field | value |' in text
+  bare = export_checkpoint.card({**meta, 'step': 40, 'metrics': {}}, None, 10**6, 'x')
+  assert '## Validation metrics (best checkpoint)\n\nNone: the run had no validation split' in bare
+  assert '| field | value |' not in bare  # no empty table
