@@ -68,7 +68,7 @@ raise `InputError` (a ValueError) naming the expected joints or the frame and jo
 lengths ~100x (or 0.01x) the template's and a head below the pelvis on average warn with the
 likely fix (`--units`, `--input_axes`), attributed to the caller's line; a single frame's
 kind of warning is said once per solver (a live loop calling `solve`); float16 positions
-warn that they carry 1 mm steps at 1 m (`exports.warn_half_precision`). `step` and
+warn that they carry 1 mm steps at 1 m (`exports.half_precision`), once per solver. `step` and
 `solve_stream` run the cheap hard checks (shape, finite) on every frame and the warnings on a
 stream's first whole frame only (after `reset()`: `_check_stream`). Offsets whose bones are 4x
 the template's or under a quarter are refused (`check_offsets_size`).
@@ -234,16 +234,20 @@ def axes_text(M: np.ndarray) -> str:
 # Input checks.
 
 
-def check_positions(positions, rig: Rig, allow_missing: bool = False
-                    ) -> tuple[np.ndarray, bool]:
+def check_positions(positions, rig: Rig, allow_missing: bool = False,
+                    said: set[str] | None = None) -> tuple[np.ndarray, bool]:
   """Shape and finiteness: `[T, J, 3]` or `[J, 3]` -> (`[T, J, 3]` float64, was_single_frame).
-  `allow_missing`: NaN/inf joints pass (a model with joint masks reads them as missing)."""
+  `allow_missing`: NaN/inf joints pass (a model with joint masks reads them as missing).
+  float16 positions warn (`exports.half_precision`), attributed to the caller's line; with
+  `said` (a set the caller keeps: a solver's), once."""
   try:
     arr = np.asarray(positions)
     if arr.dtype.kind not in 'iuf':  # no strings parsed, no imaginary parts dropped
       raise TypeError(f'positions are {arr.dtype} values, not real numbers')
-    if arr.dtype == np.float16:
-      exports.warn_half_precision(arr.dtype)
+    if arr.dtype == np.float16 and (said is None or 'float16' not in said):
+      warn_caller(exports.half_precision(arr.dtype))
+      if said is not None:
+        said.add('float16')
     arr = arr.astype(np.float64, copy=False)
   except (TypeError, ValueError) as e:
     raise InputError(f'positions are not a numeric array: {e}') from None
@@ -1001,7 +1005,8 @@ class IKSolver:
     self.size_normalization = bool(size_normalization)
     self._subject_bias = subject_calibration_lib.SubjectBias()
     self._calibration_offsets_seen: set[bytes] = set()  # `_calibration_offsets`
-    self._said: set[str] = set()  # kinds of input warning said for single frames (`prepare`)
+    self._said: set[str] = set()  # kinds of input warning said for single frames (`prepare`),
+    # and float16 input (`check_positions`): once per solver
     self._stream_checked = False  # `reset()` and `_check_stream`
     # Held while `step` or a `solve_stream` item runs: one stream per solver, so a second
     # thread stepping the same solver is refused, not interleaved with the first's state.
@@ -1313,7 +1318,8 @@ class IKSolver:
     NaN joints pass when the model takes joint masks (no plausibility check then); with
     `hold_missing` they are filled from earlier frames of the clip (`hold_missing_joints`)."""
     arr, single = check_positions(positions, self.rig,
-                                  allow_missing=self.supports_masks or self.hold_missing)
+                                  allow_missing=self.supports_masks or self.hold_missing,
+                                  said=self._said)
     arr, scale = self._to_rig(arr, units, input_axes)
     check_extent(arr)
     if self.hold_missing:
@@ -1846,7 +1852,8 @@ class IKSolver:
             orientation_mask=None, end_sites=None, units=None, input_axes=None) -> np.ndarray:
     """`step` without the subject calibration (the frame it solved in `_step_pos`)."""
     pos, _ = check_positions(frame, self.rig,
-                             allow_missing=self.supports_masks or self.hold_missing)
+                             allow_missing=self.supports_masks or self.hold_missing,
+                             said=self._said)
     if pos.shape[0] != 1:
       raise InputError(f'step takes one frame [{self.rig.num_joints}, 3], got {pos.shape[0]} '
                        f'frames {list(pos.shape)}; use solve() for a clip or solve_stream() '
@@ -1980,7 +1987,8 @@ class IKSolver:
     """One item of `solve_stream` -> (local rotations `[b, J, 3, 3]`, whether it was one
     frame `[J, 3]`)."""
     pos, single = check_positions(item, self.rig,
-                                  allow_missing=self.supports_masks or self.hold_missing)
+                                  allow_missing=self.supports_masks or self.hold_missing,
+                                  said=self._said)
     if pos.shape[0] > self.block_size:  # refused before it changes the stream's state
       raise InputError(f'a stream item holds {pos.shape[0]} frames, more than block_size '
                        f'{self.block_size}; use solve() for clips')

@@ -169,6 +169,22 @@ def test_fitted_offsets_after_a_refinement_stand_on_the_input_s_root(tmp_path_fa
       moved.global_rot, pos, moved.offsets, rig), atol=1e-6)
 
 
+def test_float16_frames_warn_once_per_solver_at_the_caller_s_line(tmp_path_factory):
+  """float16 frames (1 mm steps at 1 m) warn once per solver, however many frames come
+  (step, a stream, single-frame solves), at the caller's line (it said so per frame, at a
+  library line)."""
+  fresh = IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory))
+  clip = posed_clip(fresh.rig, fresh.offsets, T=3, scale=0.2).astype(np.float16)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    for frame in clip:
+      fresh.step(frame)
+      fresh.solve(frame)
+    list(fresh.solve_stream(list(clip)))
+  said = [w for w in caught if 'float16' in str(w.message)]
+  assert len(said) == 1 and said[0].filename == __file__, [(w.filename, w.message) for w in said]
+
+
 def test_writers_refuse_a_frame_rate_that_is_not_one(solver, tmp_path):
   """Every writer refuses fps 0, negative, NaN, inf in one line, writing nothing (the BVH
   writer wrote `Frame Time: nan` or divided by zero; the GLB's JSON failed on inf)."""

@@ -245,13 +245,14 @@ def read_positions(path: str | os.PathLike, rig: Rig, *, joint_map: str | None =
   raise InputError(f'input {path}: unknown format {ext!r}; use .npz, .csv or .bvh')
 
 
-def warn_half_precision(dtype, what: str = 'positions') -> None:
-  """A warning where `dtype` is float16: 11 significant bits, steps of about 1 mm at 1 m from
-  the origin and 8 mm at 10 m, as much as a tracker's noise (the solver reads float32)."""
-  if np.dtype(dtype) == np.float16:
-    warnings.warn(f'{what} are float16: values are rounded to 11 significant bits (steps of '
-                  '1 mm at 1 m from the origin, 8 mm at 10 m); store them as float32',
-                  stacklevel=3)
+def half_precision(dtype, what: str = 'positions') -> str | None:
+  """The warning for `what` in `dtype` where it is float16: 11 significant bits, steps of
+  about 1 mm at 1 m from the origin and 8 mm at 10 m, as much as a tracker's noise (the solver
+  reads float32); None for other dtypes."""
+  if np.dtype(dtype) != np.float16:
+    return None
+  return (f'{what} are float16: values are rounded to 11 significant bits (steps of 1 mm at 1 m '
+          'from the origin, 8 mm at 10 m); store them as float32')
 
 
 def _npz_fps(value, path) -> float:
@@ -273,7 +274,8 @@ def read_positions_npz(path: str | os.PathLike, rig: Rig) -> PositionsFile:
     if key is None:
       raise InputError(f'{path}: no `positions` array (keys: {", ".join(keys)})')
     pos = z[key]
-    warn_half_precision(pos.dtype, f'{path}: {key}')
+    if half_precision(pos.dtype):
+      warnings.warn(half_precision(pos.dtype, f'{path}: {key}'), stacklevel=3)
     pos = np.asarray(pos, np.float64)
     names = [str(n) for n in z['joint_names']] if 'joint_names' in keys else None
     fps = _npz_fps(z['fps'], path) if 'fps' in keys else None
