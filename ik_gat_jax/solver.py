@@ -1800,8 +1800,9 @@ class IKSolver:
 
     The cheap checks (shape, finite; units and axes on a stream's first frame); compiled once.
     With a temporal filter the output is filtered with the stream's state (kept until
-    `reset`). `offsets`: this frame's subject, if not the solver's (a new person in the same
-    stream is not a new stream: call `reset()`, or assign `solver.offsets`, which does).
+    `reset`). `offsets`: this frame's subject, if not the solver's, in the frame's units and
+    axes as `solve`'s (a new person in the same stream is not a new stream: call `reset()`, or
+    assign `solver.offsets`, which does).
     `mask`, `orientations`,
     `orientation_mask`, `end_sites`: sparse inputs of this frame (`[J]`, `[J, 3, 3]`, `[E, 3]`;
     module docstring; metres, rig axes). On a CPU with several cores, a process that serves
@@ -1813,6 +1814,8 @@ class IKSolver:
     if not self._stream_busy.acquire(blocking=False):
       raise self._busy_error()
     try:
+      if offsets is not None and (units is not None or input_axes is not None):
+        offsets = self._given_offsets(offsets, units, input_axes)  # as solve's: theirs
       local = self._step(frame, offsets, mask, orientations, orientation_mask, end_sites, units,
                          input_axes)
       if not self.subject_calibration:
@@ -1960,6 +1963,15 @@ class IKSolver:
 
     return self._compiled_for(signature, args, lower, self._one_frame, compile)
 
+  def _given_offsets(self, offsets, units, input_axes) -> np.ndarray:
+    """Offsets given in the positions' `units` and `input_axes` (`solve`'s contract, and
+    `step`'s and `solve_stream`'s) -> `[J, 3]` metres in rig axes, checked."""
+    off = check_offsets(offsets, self.rig)
+    if units is None and input_axes is None:
+      return off
+    return _offsets_as_positions(off, parse_units(units), parse_input_axes(input_axes, self.rig),
+                                 self.rig)
+
   def solve_stream(self, frames: Iterable, offsets=None, *, mask=None,
                    units: str | float | None = None,
                    input_axes: str | np.ndarray | None = None) -> Iterator[np.ndarray]:
@@ -1971,7 +1983,8 @@ class IKSolver:
     with `solve` on `[P, J, 3]` (no stream state), or give each a solver. `mask` `[J]`: the
     joints the trackers give, for every item (a joint-mask checkpoint; NaN joints count as
     missing too, as `step`'s); per-frame orientations or end sites go to `step`."""
-    off = self.offsets if offsets is None else check_offsets(offsets, self.rig)
+    off = (self.offsets if offsets is None else
+           self._given_offsets(offsets, units, input_axes))  # as solve's: theirs
     subject = self._device_subject(off)
     for item in frames:
       if not self._stream_busy.acquire(blocking=False):

@@ -185,6 +185,26 @@ def test_float16_frames_warn_once_per_solver_at_the_caller_s_line(tmp_path_facto
   assert len(said) == 1 and said[0].filename == __file__, [(w.filename, w.message) for w in said]
 
 
+def test_step_and_stream_take_offsets_in_the_frames_units_and_axes(solver):
+  """`offsets=` given with `units=` and `input_axes=` are in those units and axes for `step`
+  and `solve_stream` as for `solve` (they were taken as metres in rig axes: refused in cm, or
+  other rotations in z-up metres)."""
+  rig = solver.rig
+  off = np.asarray(solver.offsets) * 1.05
+  pos = posed_clip(rig, off, T=3, seed=11, scale=0.2)
+  M = parse_input_axes('x,z,-y')
+  x, o = (pos / 0.01) @ M, (off / 0.01) @ M  # z-up centimetres: input = M^T rig
+  want = solver.solve(x, offsets=o, units='cm', input_axes='x,z,-y')
+  solver.reset()
+  got = np.stack([solver.step(f, offsets=o, units='cm', input_axes='x,z,-y') for f in x])
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  solver.reset()
+  streamed = np.concatenate(list(solver.solve_stream([x[:2], x[2:]], offsets=o, units='cm',
+                                                     input_axes='x,z,-y')))
+  np.testing.assert_allclose(streamed, want, atol=2e-5)
+  solver.reset()
+
+
 def test_writers_refuse_a_frame_rate_that_is_not_one(solver, tmp_path):
   """Every writer refuses fps 0, negative, NaN, inf in one line, writing nothing (the BVH
   writer wrote `Frame Time: nan` or divided by zero; the GLB's JSON failed on inf)."""
