@@ -515,6 +515,9 @@ def make_rig(name: str, joint_names: Sequence[str], parents: Sequence[int],
              reference_pose=quats)
 
 
+REFERENCE_ROTATION_TOL = 1e-3  # |F^T F - I| of a reference frame: float32 engine matrices pass
+
+
 def with_reference_pose(rig: Rig, reference: np.ndarray) -> Rig:
   """`rig` for a source whose joints carry other frames (another bind of the same skeleton):
   the same joints, designated children, reference axes and mirror map, the natural pose's
@@ -527,6 +530,17 @@ def with_reference_pose(rig: Rig, reference: np.ndarray) -> Rig:
   if F.shape != (rig.num_joints, 3, 3) or not np.isfinite(F).all():
     raise RigError(f'a reference pose of rig {rig.name!r} is [{rig.num_joints}, 3, 3] finite '
                    f'rotations, got shape {F.shape}')
+  off = np.abs(np.swapaxes(F, -1, -2) @ F - np.eye(3)).max(axis=(-2, -1))  # [J]
+  bad = np.flatnonzero((off > REFERENCE_ROTATION_TOL) | (np.linalg.det(F) < 0))
+  if bad.size:
+    j = int(bad[0])
+    what = ('a reflection' if np.linalg.det(F[j]) < 0 else
+            f'scaled or sheared (|F^T F - I| {off[j]:.3g}; scales '
+            f'{", ".join(f"{x:.3g}" for x in np.linalg.svd(F[j], compute_uv=False))})')
+    raise RigError(f'a reference pose of rig {rig.name!r} is world rotations, and joint '
+                   f'{rig.joint_names[j]}\'s frame is {what}' + (
+                       f' ({bad.size} joints so)' if bad.size > 1 else '') +
+                   ': take the rotation of each joint\'s world matrix, without its scale')
   changes = {'reference_pose': tuple(tuple(float(x) for x in q) for q in quat_from_matrix_np(F))}
   if rig.template_offsets:
     Fp = np.stack([np.eye(3) if p < 0 else F[p] for p in rig.parents])

@@ -611,6 +611,14 @@ def check_offsets(offsets, rig: Rig) -> np.ndarray:
   return off
 
 
+def _with_reference_pose(rig: Rig, reference) -> Rig:
+  """`skeleton.with_reference_pose`, its refusals as the solver's `InputError`s."""
+  try:
+    return skeleton.with_reference_pose(rig, reference)
+  except RigError as e:
+    raise InputError(str(e)) from None
+
+
 def _offsets_as_positions(raw: np.ndarray, scale: float, M: np.ndarray, rig: Rig) -> np.ndarray:
   """Offsets `raw [J, 3]` given in the positions' units and axes -> metres in rig axes (`scale`
   metres per unit, rig = `M` @ input). InputError where they look given in metres or the rig's
@@ -996,7 +1004,7 @@ class IKSolver:
     # The model's rig, or the same skeleton under another bind whose natural pose is
     # `reference_pose` (`skeleton.with_reference_pose`: bone frames follow the binds).
     self.rig: Rig = (model.rig if reference_pose is None
-                     else skeleton.with_reference_pose(model.rig, reference_pose))
+                     else _with_reference_pose(model.rig, reference_pose))
     # The subject's rotation biases measured on its own frames (subject_calibration.py): a
     # clip's over all of them, a stream's (`step` / `solve_stream`) over those so far, in
     # `_subject_bias`.
@@ -1235,7 +1243,7 @@ class IKSolver:
                                          units=bvh_units)
     # A joint-chart prior (the shipped one) serves only its own rig's binds: not another's.
     rig = (model.rig if reference_pose is None
-           else skeleton.with_reference_pose(model.rig, reference_pose))
+           else _with_reference_pose(model.rig, reference_pose))
     prior = _refine_prior(refine_prior, rig) if refine_iters > 0 else None
     if refine_iters > 0 and prior is None and str(refine_prior) == 'shipped':
       warn_caller(f'refine_prior=\'shipped\': the shipped pose prior does not fit rig '

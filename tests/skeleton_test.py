@@ -108,3 +108,21 @@ def test_adjacency_kinds():
   p2c = np.asarray(rig.adjacency('parent_to_child'))
   assert p2c[1, 0] and not p2c[0, 1]
   assert np.asarray(rig.adjacency('full')).all()
+
+
+def test_a_reference_pose_is_world_rotations():
+  """A reference pose's frames must be rotations: a scaled (an engine's cm <-> m matrix), a
+  reflected or a sheared frame is refused in one line naming the joint (it rebuilt the template
+  from them: bones 0.4-0.6 m off, rotations 31-175 deg from the rig's own); float32 round-off
+  of a rotation passes."""
+  from scipy.spatial.transform import Rotation
+  rig = sk.cmu_body()
+  J = rig.num_joints
+  R = Rotation.random(J, random_state=0).as_matrix()
+  assert sk.with_reference_pose(rig, R.astype(np.float32)).num_joints == J
+  for bad, what in ((2.0 * R, 'scaled or sheared .*scales 2, 2, 2'),
+                    (R @ np.diag([-1.0, 1.0, 1.0]), 'a reflection'),
+                    (np.ones((J, 3, 3)), 'scaled or sheared')):
+    with pytest.raises(sk.RigError, match=rf"joint Hips's frame is {what}.*\({J} joints so\): "
+                       'take the rotation of each joint.s world matrix'):
+      sk.with_reference_pose(rig, bad)

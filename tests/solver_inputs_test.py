@@ -235,3 +235,9 @@ def test_block_size_below_one(loaded, block_size):
 def test_block_size_below_one_from_checkpoint():
   with pytest.raises(InputError, match='block_size must be >= 1, got 0'):
     IKSolver.from_checkpoint(SHIPPED_IKGAT, block_size=0)
+
+
+def test_a_reference_pose_that_is_not_rotations(loaded):
+  J = loaded[0].rig.num_joints
+  with pytest.raises(InputError, match=r"joint Hips's frame is scaled or sheared"):
+    IKSolver(*loaded, reference_pose=np.broadcast_to(100.0 * np.eye(3), (J, 3, 3)))
