@@ -611,6 +611,13 @@ def check_offsets(offsets, rig: Rig) -> np.ndarray:
   return off
 
 
+def _writable(a: np.ndarray) -> np.ndarray:
+  """`a` as an array the caller may write into: a copy of a read-only view of device memory
+  (what `np.asarray` of a JAX array gives), `a` itself otherwise (a live frame's copy: 0.5 us)."""
+  a = np.asarray(a)
+  return a if a.flags.writeable else a.copy()
+
+
 def _with_reference_pose(rig: Rig, reference) -> Rig:
   """`skeleton.with_reference_pose`, its refusals as the solver's `InputError`s."""
   try:
@@ -1657,10 +1664,11 @@ class IKSolver:
       # The root at the input's: the fitted offsets reproduce the input from there (a
       # refinement's fitted root translation was fitted for the offsets just replaced).
       out = self._with_local(out, out['local_rot'], pos[:, 0], subject)
+    out = {k: _writable(v) for k, v in out.items()}  # a filter's or a refinement's: device views
     if not full:
       return out['local_rot'][0] if single else out['local_rot']
     return Solution(positions=pos.astype(np.float32), offsets=np.array(off),  # the caller's copy
-                    bone_frames=subject[2], **out)
+                    bone_frames=_writable(subject[2]), **out)
 
   def _solve_chunks(self, pos: np.ndarray, subject, full: bool, progress: bool | None,
                     sparse: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
@@ -1827,9 +1835,9 @@ class IKSolver:
       local = self._step(frame, offsets, mask, orientations, orientation_mask, end_sites, units,
                          input_axes)
       if not self.subject_calibration:
-        return local
+        return _writable(local)
       off = self._calibration_offsets(self.offsets if offsets is None else offsets)  # checked
-      return self._calibrate_frame(local, self._step_pos[0], off)
+      return _writable(self._calibrate_frame(local, self._step_pos[0], off))
     finally:
       self._stream_busy.release()
 
@@ -2001,6 +2009,7 @@ class IKSolver:
         local, single = self._stream_item(item, off, subject, mask, units, input_axes)
       finally:
         self._stream_busy.release()
+      local = _writable(local)
       yield local[0] if single else local
 
   def _stream_item(self, item, off: np.ndarray, subject, mask, units, input_axes

@@ -205,6 +205,23 @@ def test_step_and_stream_take_offsets_in_the_frames_units_and_axes(solver):
   solver.reset()
 
 
+def test_every_output_is_the_caller_s_to_write(tmp_path_factory):
+  """step, solve_stream and solve (a temporal filter on, full) give arrays the caller may
+  edit in place (step's and a filtered solve's were read-only views of device memory)."""
+  from ik_gat_jax import temporal
+  s = IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory))
+  pos = posed_clip(s.rig, s.offsets, T=3, scale=0.2)
+  outs = [s.step(pos[0]), next(iter(s.solve_stream([pos[1:]]))), s.solve(pos)]
+  s.temporal_filter = temporal.FilterConfig(kind='one_euro')
+  s.reset()
+  sol = s.solve(pos, full=True)
+  outs += [s.solve(pos), s.step(pos[0])] + [getattr(sol, f.name) for f in
+                                            dataclasses.fields(sol)]
+  for a in outs:
+    assert isinstance(a, np.ndarray) and a.flags.writeable
+    a[...] = 0.0
+
+
 def test_writers_refuse_a_frame_rate_that_is_not_one(solver, tmp_path):
   """Every writer refuses fps 0, negative, NaN, inf in one line, writing nothing (the BVH
   writer wrote `Frame Time: nan` or divided by zero; the GLB's JSON failed on inf)."""
