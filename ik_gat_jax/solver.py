@@ -1075,6 +1075,9 @@ class IKSolver:
     self.end_sites = bool(getattr(model.config, 'end_sites', False))
     self._frames_cache: dict[bytes, tuple] = {}
     self._graphdef = graphdef
+    if temporal_filter is not None and not isinstance(temporal_filter, temporal.FilterConfig):
+      raise InputError(f'temporal_filter must be a temporal.FilterConfig (e.g. temporal.'
+                       f'FilterConfig(kind=\'one_euro\')), got {temporal_filter!r}')
     self._temporal_filter = (temporal.from_checkpoint_meta(self.meta) if temporal_filter is None
                              else temporal_filter)
     # A window model (issue K): each frame with its past frames, 1/window_fps s apart.
@@ -1227,7 +1230,10 @@ class IKSolver:
             'exist yet: pass --checkpoint=RUN_OR_CHECKPOINT_DIR (a training workdir works)')
       path = inference.SHIPPED_IKGAT
     if isinstance(expected_rig, str):
-      expected_rig = get_rig(expected_rig)
+      try:
+        expected_rig = get_rig(expected_rig)
+      except KeyError as e:
+        raise InputError(str(e.args[0]) if e.args else str(e)) from None
     path = inference.resolve_checkpoint(path)  # a shipped name -> its directory (the source)
     model, meta = inference.load_model(path, expected_rig=expected_rig)
     if (attention == 'auto' and inference.live_backend() is not None

@@ -241,3 +241,17 @@ def test_a_reference_pose_that_is_not_rotations(loaded):
   J = loaded[0].rig.num_joints
   with pytest.raises(InputError, match=r"joint Hips's frame is scaled or sheared"):
     IKSolver(*loaded, reference_pose=np.broadcast_to(100.0 * np.eye(3), (J, 3, 3)))
+
+
+def test_option_values_of_the_wrong_kind(loaded, clip):
+  """A temporal filter given as a dict or a name, a rig name that is none, units given as a
+  bool: one-line InputErrors (an AttributeError deep in the stream, a KeyError; True was read
+  as 1 m per unit)."""
+  for bad in ({'kind': 'one_euro'}, 'one_euro'):
+    with pytest.raises(InputError, match=r'temporal_filter must be a temporal.FilterConfig'):
+      IKSolver(*loaded, temporal_filter=bad)
+  with pytest.raises(InputError, match=r"^unknown rig 'cmu': built-ins are"):
+    IKSolver.from_checkpoint(SHIPPED_IKGAT, expected_rig='cmu')
+  for units in (True, np.bool_(False)):
+    with pytest.raises(InputError, match=r'--units must be metres per input unit'):
+      parse_units(units)

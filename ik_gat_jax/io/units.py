@@ -27,6 +27,9 @@ def parse_units(units: str | float | None) -> float:
     return 1.0
   if isinstance(units, str) and units.strip().lower() in UNITS:
     return UNITS[units.strip().lower()]
+  if isinstance(units, (bool, np.bool_)):  # float(True) is 1.0: metres, by accident
+    raise InputError(f'--units must be metres per input unit (a number) or one of '
+                     f'{", ".join(UNITS)}; got {units!r}')
   try:
     value = float(units)
   except (TypeError, ValueError):
