@@ -147,6 +147,13 @@ def tree_mismatch(saved: Any, wanted: Any) -> str | None:
   return '; '.join(parts) or None
 
 
+def _has_step(directory: Path) -> bool:
+  """Whether `directory` holds a finished checkpoint step (a digits-named folder with its
+  `_CHECKPOINT_METADATA`, as orbax writes last), without opening orbax."""
+  return directory.is_dir() and any(
+      c.name.isdigit() and (c / '_CHECKPOINT_METADATA').is_file() for c in directory.iterdir())
+
+
 class Checkpointer:
   """Numbered checkpoints in `directory`, keeping the newest `max_to_keep`."""
 
@@ -234,7 +241,12 @@ class Checkpointer:
   def _resolve(self, step: int | None) -> int:
     step = self.latest_step() if step is None else step
     if step is None:
-      raise CheckpointError(f'no checkpoint found in {self.directory}')
+      d = Path(self.directory)
+      hint = ''
+      if d.name == 'best' and _has_step(d.parent / 'latest'):  # a run's best deleted
+        hint = (f' (deleted?); {d.parent / "latest"} holds the run\'s last step: rerun its '
+                'training command (run.json\'s "command"), which saves that step as the best')
+      raise CheckpointError(f'no checkpoint found in {self.directory}{hint}')
     return step
 
   def close(self) -> None:

@@ -651,7 +651,11 @@ def read_run(workdir: str | os.PathLike) -> dict | None:
   path = Path(workdir) / 'run.json'
   if not path.is_file():
     return None
-  doc = json.loads(path.read_text())
+  try:
+    doc = json.loads(path.read_text())
+  except ValueError as e:
+    raise ValueError(f'{path} is not JSON ({e}): a damaged run record; put it back, or use a '
+                     'new --workdir') from None
   if doc.get('best_value') is not None and not math.isfinite(doc['best_value']):
     doc['best_value'] = None
   return doc
@@ -716,12 +720,21 @@ def training_config_diff(saved: Mapping | None, current: Mapping | None) -> list
 
 
 def _check_resumable(workdir: Path, config) -> dict | None:
-  """The meta of `workdir`'s latest checkpoint (None for a fresh run); a ValueError when it is
+  """The meta of `workdir`'s latest checkpoint (None for a fresh run; a CheckpointError where
+  the latest is gone but run.json or a best checkpoint say a run was there); a ValueError when it is
   trained past `train.steps` or its config differs outside `RESUME_MAY_CHANGE` (naming the
   keys), a CheckpointError when its model config differs. Writes nothing, so a refused rerun
   leaves the run as it was."""
   step = trained_step(workdir)
   if step is None:
+    run = read_run(workdir)
+    best = _checkpoint_step(workdir / 'checkpoints' / 'best')
+    if (run or {}).get('step') or best is not None:  # a fresh run would overwrite what is left
+      raise checkpointing.CheckpointError(
+          f'{workdir} holds a run (run.json at step {(run or {}).get("step")}, best checkpoint '
+          f'{"at step " + str(best) if best is not None else "none"}) but no checkpoint in '
+          f'{workdir / "checkpoints" / "latest"} to resume from (deleted, or a save left '
+          'unfinished): put it back, or use a new --workdir')
     return None
   steps = int(config.train.steps)
   if step > steps:
@@ -1071,6 +1084,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   if val_data is None and best.latest_step() != step:
     best.save(step, saved_part(evaluated_part(state), ('params', 'rest')),
               checkpoint_meta(config, rig, task, data_info, {}))
+  elif best.latest_step() is None:  # deleted: the evaluations, the export and solve need one
+    log(f'no best checkpoint in {best.directory}: the last step ({step}) saved as the best')
+    best.save(step, saved_part(evaluated_part(state), ('params', 'rest')),
+              checkpoint_meta(config, rig, task, data_info, last_val or {}))
   log(f'done: step {step}' + (f', val {task.best_metric} {last_val[task.best_metric]:.3f} '
                               f'(best {best_value:.3f})' if last_val else ''))
   return last_val

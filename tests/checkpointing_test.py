@@ -245,6 +245,47 @@ def test_resume_from_a_truncated_checkpoint_is_refused(run_copy, cmu_shards, tin
   assert 'truncated' in _assert_refused(e, latest)
 
 
+def test_a_run_whose_latest_checkpoint_is_gone_is_not_trained_over(run_copy, cmu_shards,
+                                                                    tiny_config):
+  """`checkpoints/latest` deleted (or a save left unfinished) while run.json and the best
+  checkpoint remain: a rerun is refused in one line, nothing written (it started a fresh run
+  over the finished one, best checkpoint and all, even with another model config); a damaged
+  run.json is named."""
+  import shutil
+  shutil.rmtree(_step_dir(run_copy / 'checkpoints' / 'latest'))
+  run_json = (run_copy / 'run.json').read_bytes()
+  best = checkpointing.Checkpointer(run_copy / 'checkpoints' / 'best', create=False).all_steps()
+  with pytest.raises(checkpointing.CheckpointError, match=r'holds a run \(run.json at step '
+                     r'\d+, best checkpoint at step \d+\) but no checkpoint in .*latest to '
+                     r'resume from .*: put it back, or use a new --workdir'):
+    train.train_and_evaluate(tiny_config(cmu_shards, model=dict(hidden=32)), run_copy,
+                             log=lambda m: None)
+  assert (run_copy / 'run.json').read_bytes() == run_json
+  assert checkpointing.Checkpointer(run_copy / 'checkpoints' / 'best',
+                                    create=False).all_steps() == best
+  (run_copy / 'run.json').write_text('{"step": 2')
+  with pytest.raises(ValueError, match=r'run.json is not JSON .*: a damaged run record'):
+    train.train_and_evaluate(tiny_config(cmu_shards), run_copy, log=lambda m: None)
+
+
+def test_a_run_whose_best_checkpoint_is_gone_is_repaired_by_its_rerun(run_copy, cmu_shards,
+                                                                       tiny_config):
+  """`checkpoints/best` deleted: loading the run says how to repair it, and rerunning its
+  command saves the last step as the best (the rerun said done and left it missing)."""
+  import shutil
+  latest = checkpointing.Checkpointer(run_copy / 'checkpoints' / 'latest',
+                                      create=False).latest_step()
+  shutil.rmtree(_step_dir(run_copy / 'checkpoints' / 'best'))
+  with pytest.raises(checkpointing.CheckpointError, match=r'no checkpoint found in .*best '
+                     r'\(deleted\?\); .*latest holds the run.s last step: rerun its training '
+                     'command'):
+    inference.load_model(run_copy)
+  said = []
+  train.train_and_evaluate(tiny_config(cmu_shards), run_copy, log=said.append)
+  assert any(f'the last step ({latest}) saved as the best' in m for m in said), said
+  assert inference.load_model(run_copy)[1]['step'] == latest
+
+
 def test_model_config_diff():
   base = {'size': 'tiny', 'hidden': None, 'joint_mask': False}
   assert train.model_config_diff(base, dict(base)) == []
