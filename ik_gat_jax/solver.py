@@ -2009,6 +2009,9 @@ class IKSolver:
            self._given_offsets(offsets, units, input_axes))  # as solve's: theirs
     subject = self._device_subject(off)
     for item in frames:
+      if offsets is None and off is not self.offsets:  # `solver.offsets = ...` between items
+        off = self.offsets
+        subject = self._device_subject(off)
       if not self._stream_busy.acquire(blocking=False):
         raise self._busy_error()
       try:

@@ -222,6 +222,29 @@ def test_every_output_is_the_caller_s_to_write(tmp_path_factory):
     a[...] = 0.0
 
 
+def test_a_stream_takes_the_subject_assigned_while_it_runs(tmp_path_factory):
+  """`solver.offsets = ...` between a stream's items (a tracker's calibration arriving)
+  starts a new stream there, for `solve_stream` as for `step` (the generator kept the subject
+  it began with: 7.9 deg from step on the shipped model)."""
+  s = IKSolver.from_checkpoint(tiny_checkpoint(tmp_path_factory))
+  template = np.array(s.offsets)
+  new = np.einsum('jab,jb->ja', random_rotations((len(template),), 0.3, 5), template)  # turned
+  pos = posed_clip(s.rig, new, T=6, seed=2, scale=0.2)
+  want = []
+  for i, f in enumerate(pos):
+    if i == 3:
+      s.offsets = new
+    want.append(s.step(f))
+  s.offsets = template
+  got = []
+  for i, R in enumerate(s.solve_stream(iter(pos))):
+    got.append(R)
+    if i == 2:
+      s.offsets = new
+  np.testing.assert_allclose(np.stack(got), np.stack(want), atol=2e-5)
+  assert _max_angle(np.stack(got)[3:], s.solve(pos[3:], offsets=template)) > 1e-3
+
+
 def test_writers_refuse_a_frame_rate_that_is_not_one(solver, tmp_path):
   """Every writer refuses fps 0, negative, NaN, inf in one line, writing nothing (the BVH
   writer wrote `Frame Time: nan` or divided by zero; the GLB's JSON failed on inf)."""
