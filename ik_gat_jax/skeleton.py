@@ -515,6 +515,22 @@ def make_rig(name: str, joint_names: Sequence[str], parents: Sequence[int],
              reference_pose=quats)
 
 
+def check_joint_names(names, rig: Rig) -> tuple[str, ...]:
+  """`names` (default the rig's joint names) as a file's joint names (a BVH's joints, a GLB's
+  nodes), else a RigError: one per rig joint, each distinct (a tool binds animation to bones by
+  name), non-empty, without whitespace at either end or a line break."""
+  names = tuple(rig.joint_names if names is None else (str(n) for n in names))
+  bad = [n for n in names if not n or n != n.strip() or '\n' in n or '\r' in n]
+  twice = sorted({n for n in names if names.count(n) > 1})
+  if len(names) != rig.num_joints or bad or twice:
+    why = (f'got {len(names)}' if len(names) != rig.num_joints else
+           f'{bad[0]!r} is empty or has whitespace at an end' if bad else
+           f'{twice[0]!r} names {names.count(twice[0])} joints')
+    raise RigError(f'joint names must be {rig.num_joints} distinct names, one per joint of rig '
+                   f'{rig.name!r}: {why}')
+  return names
+
+
 REFERENCE_ROTATION_TOL = 1e-3  # |F^T F - I| of a reference frame: float32 engine matrices pass
 
 

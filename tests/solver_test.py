@@ -245,6 +245,21 @@ def test_a_stream_takes_the_subject_assigned_while_it_runs(tmp_path_factory):
   assert _max_angle(np.stack(got)[3:], s.solve(pos[3:], offsets=template)) > 1e-3
 
 
+def test_writers_refuse_joint_names_a_tool_cannot_bind(solver, tmp_path):
+  """Names given to the BVH and GLB writers: one per joint, distinct (a GLB of 21 nodes all
+  named 'a' was written), non-empty."""
+  rig = solver.rig
+  sol = solver.solve(posed_clip(rig, solver.offsets, T=2, seed=3, scale=0.2), full=True)
+  J = rig.num_joints
+  for names, why in ((['a'] * J, "'a' names 21 joints"), (list(rig.joint_names[:-1]), 'got 20'),
+                     ([''] + list(rig.joint_names[1:]), "'' is empty")):
+    for write in (exports.write_solution_bvh, exports.write_solution_glb):
+      with pytest.raises(InputError, match=rf'joint names must be {J} distinct names, one per '
+                         rf"joint of rig 'cmu_body': {why}"):
+        write(tmp_path / 'x.out', sol, rig, 30.0, names=names)
+  assert list(tmp_path.iterdir()) == []
+
+
 def test_writers_refuse_a_frame_rate_that_is_not_one(solver, tmp_path):
   """Every writer refuses fps 0, negative, NaN, inf in one line, writing nothing (the BVH
   writer wrote `Frame Time: nan` or divided by zero; the GLB's JSON failed on inf)."""

@@ -88,7 +88,7 @@ from ik_gat_jax.io import gltf
 from ik_gat_jax.io import retarget
 from ik_gat_jax.io import smpl
 from ik_gat_jax.io.units import UNITS, parse_units
-from ik_gat_jax.skeleton import Rig, depth_first_order
+from ik_gat_jax.skeleton import Rig, RigError, check_joint_names, depth_first_order
 
 BVH_UNITS = {'cm': 0.01, 'm': 1.0}  # metres per BVH unit by name (the writer takes any units)
 DEFAULT_BVH_UNITS = 'cm'
@@ -693,7 +693,10 @@ def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarra
   fps = check_frame_rate(fps)
   k = 1.0 / bvh_metres_per_unit(units)
   orders = check_rotation_orders(orders, rig)
-  names = _check_names(names, rig)
+  try:
+    names = check_joint_names(names, rig)
+  except RigError as e:
+    raise InputError(str(e)) from None
   local_rot = np.asarray(local_rot)
   T = local_rot.shape[0]
   ends = _end_sites(offsets, rig, end_sites)
@@ -737,17 +740,6 @@ def solution_bvh(local_rot: np.ndarray, root_pos: np.ndarray, offsets: np.ndarra
   motion = np.concatenate([np.asarray(root_pos, np.float64) * k,
                            angles.reshape(len(angles), -1)], axis=1)
   return bvh.BVHMotion(joints=joints, frame_time=1.0 / fps, motion=motion)
-
-
-def _check_names(names: Sequence[str] | None, rig: Rig) -> tuple[str, ...]:
-  """`names` (default the rig's joint names) as a file's joint names: one per rig joint, each
-  distinct, non-empty and without whitespace at either end or a line break."""
-  names = tuple(rig.joint_names if names is None else (str(n) for n in names))
-  bad = [n for n in names if not n or n != n.strip() or '\n' in n or '\r' in n]
-  if len(names) != rig.num_joints or bad or len(set(names)) != len(names):
-    raise InputError(f'joint names must be {rig.num_joints} distinct names (one per joint of rig '
-                     f'{rig.name!r}), got {len(names)}' + (f' with {bad[0]!r}' if bad else ''))
-  return names
 
 
 def _float32_digits(values: np.ndarray) -> np.ndarray:

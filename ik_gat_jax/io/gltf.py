@@ -208,10 +208,11 @@ def _mat4_column_major(M: np.ndarray) -> np.ndarray:
 def solution_glb(sol, rig: Rig, fps: float, names: Sequence[str] | None = None) -> bytes:
   """A `solver.Solution` on `rig` at `fps` as glTF 2.0 binary (module docstring). `names`
   renames the joint nodes (default: the rig's joint names)."""
-  names = list(rig.joint_names if names is None else names)
+  try:
+    names = list(skeleton.check_joint_names(names, rig))
+  except skeleton.RigError as e:
+    raise InputError(str(e)) from None
   J = rig.num_joints
-  if len(names) != J:
-    raise InputError(f'{len(names)} joint names for the {J} joints of rig {rig.name!r}')
   fps = check_frame_rate(fps)
   local = np.asarray(sol.local_rot, np.float64)
   root = np.asarray(sol.positions_fk, np.float64)[:, 0]
