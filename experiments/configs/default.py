@@ -32,6 +32,11 @@ def get_config() -> ml_collections.ConfigDict:
   # them.
   c.model.tilt_limit_deg = config_dict.placeholder(float)
   c.model.tilt_side_limit_deg = config_dict.placeholder(float)
+  # The size's fields, None = from --size (model.SIZES): int placeholders, so that
+  # --config.model.num_layers=3 (or hidden, num_heads, head_hidden) can set them.
+  for field in ('hidden', 'num_layers', 'num_heads', 'head_hidden'):
+    if c.model[field] is None:
+      c.model[field] = config_dict.placeholder(int)
   c.train = ml_collections.ConfigDict(dict(
       steps=5_000, batch_size=256, lr=2e-3, final_lr_fraction=0.01, warmup_steps=300,
       weight_decay=1e-4, clip_norm=1.0, log_every=100, eval_every=500,
