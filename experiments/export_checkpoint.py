@@ -178,10 +178,36 @@ def export_run(run: str | os.PathLike, output: str | os.PathLike, *, task: str =
   return {'output': str(out), 'step': step, 'size_bytes': size}
 
 
+_TEST_FIELDS = ('frames', 'local_rot_err_deg', 'root_rot_err_deg', 'twist_err_deg',
+                'swing_err_deg', 'mpjpe_mm')
+
+
+def read_test_json(path: str | os.PathLike, run: str | os.PathLike, task: str) -> dict:
+  """`experiments.evaluate`'s result at `path`, refused (ValueError, one line) unless it is
+  what the card calls the test split: this run's `task` method (`settings.checkpoint` this run
+  or its best checkpoint, where recorded) on the test split, with the card's fields."""
+  try:
+    test = json.loads(Path(path).read_text())
+  except ValueError as e:
+    raise ValueError(f'--test_json {path} is not JSON ({e})') from None
+  missing = [k for k in _TEST_FIELDS if not isinstance(test, dict) or k not in test]
+  if missing:
+    raise ValueError(f'--test_json {path} lacks {", ".join(missing)}: give experiments.evaluate\'s '
+                     '--output_json of this run on the test split')
+  method, split = test.get('method'), test.get('split')
+  ckpt = (test.get('settings') or {}).get('checkpoint')
+  ours = {Path(run).resolve(), (Path(run) / 'checkpoints' / 'best').resolve()}
+  if method != task or split != 'test' or (ckpt and Path(ckpt).resolve() not in ours):
+    raise ValueError(f'--test_json {path} holds {method!r} on the {split} split'
+                     f'{" of " + str(ckpt) if ckpt else ""}, and the card calls it this run\'s '
+                     f'{task} on the test split: evaluate this run with --split=test')
+  return test
+
+
 @fail_on_user_error
 def main(argv):
   del argv
-  test = json.loads(Path(_TEST.value).read_text()) if _TEST.value else None
+  test = read_test_json(_TEST.value, _RUN.value, _TASK.value) if _TEST.value else None
   done = export_run(_RUN.value, _OUT.value, task=_TASK.value, test=test,
                     report_json=_REPORT.value)
   print(f"wrote {done['output']} (step {done['step']}, {done['size_bytes'] / 1e6:.1f} MB)")

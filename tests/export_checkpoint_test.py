@@ -1,5 +1,6 @@
 """experiments.export_checkpoint: an export replaces an earlier export and nothing else."""
 
+import json
 import os
 
 import pytest
@@ -54,3 +55,26 @@ def test_the_card_says_which_step_of_how_many_it_ships(tiny_ikgat_run, run, tmp_
   bare = export_checkpoint.card({**meta, 'step': 40, 'metrics': {}}, None, 10**6, 'x')
   assert '## Validation metrics (best checkpoint)\n\nNone: the run had no validation split' in bare
   assert '| field | value |' not in bare  # no empty table
+
+
+def test_a_test_json_must_be_this_run_s_test_split(tiny_ikgat_run, tmp_path):
+  """`--test_json`: another method's, another split's, another run's result, one lacking the
+  card's fields or no JSON at all is refused in one line (the card called any of them this
+  run's test split)."""
+  fields = dict(frames=10, local_rot_err_deg=4.0, root_rot_err_deg=2.0, twist_err_deg=3.0,
+                swing_err_deg=1.0, mpjpe_mm=2.0)
+  ok = dict(fields, method='ikgat', split='test', settings={'checkpoint': str(tiny_ikgat_run)})
+  cases = {'ok': ok, 'swing': dict(ok, method='swing'), 'val': dict(ok, split='val'),
+           'other': dict(ok, settings={'checkpoint': str(tmp_path / 'other_run')}),
+           'bare': {'method': 'ikgat', 'split': 'test'}}
+  for name, doc in cases.items():
+    (tmp_path / f'{name}.json').write_text(json.dumps(doc))
+  (tmp_path / 'cut.json').write_text('{"method": "ikg')
+  assert export_checkpoint.read_test_json(tmp_path / 'ok.json', tiny_ikgat_run, 'ikgat') == ok
+  for name, match in (('swing', r"holds 'swing' on the test split"),
+                      ('val', r"holds 'ikgat' on the val split"),
+                      ('other', r"holds 'ikgat' on the test split of .*other_run"),
+                      ('bare', r'lacks frames, local_rot_err_deg'),
+                      ('cut', r'cut.json is not JSON')):
+    with pytest.raises(ValueError, match=match):
+      export_checkpoint.read_test_json(tmp_path / f'{name}.json', tiny_ikgat_run, 'ikgat')
