@@ -772,9 +772,12 @@ def _check_same_data(workdir: Path, saved: dict | None, data_info: dict) -> None
   diff = [k.removesuffix('_sha256') for k in ('rig_sha256', 'split_sha256', 'frames')
           if k in was and was[k] != data_info.get(k)]
   if diff:
+    same = Path(str(was.get('data_dir'))).resolve() == Path(data_info['data_dir']).resolve()
+    fix = ('the shards there have changed since (files added or converted again): convert '
+           'the new ones to a new folder, or use a new --workdir' if same else
+           'rerun with that --data to resume it, or use a new --workdir')
     raise ValueError(f'{workdir} was trained on other data ({was.get("data_dir")}; its '
-                     f'{", ".join(diff)} differ from {data_info["data_dir"]}\'s): rerun with '
-                     'that --data to resume it, or use a new --workdir')
+                     f'{", ".join(diff)} differ from {data_info["data_dir"]}\'s): {fix}')
 
 
 def _load_splits(data_dir: str) -> tuple[data_lib.Dataset, data_lib.Dataset | None]:

@@ -319,3 +319,16 @@ def test_mains_run_from_any_directory_and_answer_reruns_in_one_line(cmu_shards, 
     assert len(said) == 1 and said[0].startswith(line), (k, said)
   assert sorted(p.name for p in tmp_path.iterdir()) == ['elsewhere', 'lower', 'run']
   assert _snapshot(finished) == before['done'] and _snapshot(lower) == before['lower']
+
+
+def test_other_data_in_the_same_folder_is_named_so(tmp_path):
+  """The shards at the run's own --data changed (files added): the refusal says so, not
+  'rerun with that --data' naming the folder just given."""
+  saved = {'data': {'data_dir': str(tmp_path / 'shards'), 'frames': 100}}
+  with pytest.raises(ValueError, match=r'its frames differ from .*shards.s\): the shards there '
+                     r'have changed since \(files added or converted again\)'):
+    train._check_same_data(tmp_path / 'run', saved,
+                           {'data_dir': str(tmp_path / 'shards'), 'frames': 120})
+  with pytest.raises(ValueError, match=r'rerun with that --data to resume it'):
+    train._check_same_data(tmp_path / 'run', saved,
+                           {'data_dir': str(tmp_path / 'other'), 'frames': 120})
