@@ -627,6 +627,32 @@ def check_train_config(train_cfg, prefix: str = 'train') -> None:
       bad(key, 'a positive number')
     if key in _NON_NEGATIVE_FLOATS and not (is_num(v) and math.isfinite(v) and v >= 0):
       bad(key, 'a number >= 0')
+  if 'final_lr_fraction' in train_cfg and train_cfg['final_lr_fraction'] > 1:
+    bad('final_lr_fraction', 'a fraction of the learning rate in [0, 1]')
+
+
+# augment fields that are probabilities or shares (input_pipeline; the default config's notes)
+_AUGMENT_FRACTIONS = ('mirror', 'clean_frac', 'joint_dropout', 'tracker_subsets',
+                      'orientation_prob', 'full_frames', 'end_site_prob', 'outlier_prob',
+                      'hold_prob', 'window_start_prob')
+# augment fields in mm, degrees or a relative std: any number >= 0
+_AUGMENT_AMOUNTS = ('noise_mm', 'noise_mm_max', 'bone_jitter', 'bone_scale', 'tilt_deg',
+                    'bias_mm')
+
+
+def check_augment_config(aug, prefix: str = 'augment') -> None:
+  """Refuses (one-line ValueError naming `prefix`.field) augmentation values that mean
+  nothing: a probability or share outside [0, 1] (`mirror=1.5` mirrored every sample, said
+  nothing), an amount below 0 or not finite."""
+  for key in _AUGMENT_FRACTIONS + _AUGMENT_AMOUNTS:
+    if key not in aug:
+      continue
+    v = aug[key]
+    num = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+    if key in _AUGMENT_FRACTIONS and not (num and 0.0 <= v <= 1.0):
+      raise ValueError(f'{prefix}.{key} must be a probability in [0, 1], got {v!r}')
+    if key in _AUGMENT_AMOUNTS and not (num and math.isfinite(v) and v >= 0):
+      raise ValueError(f'{prefix}.{key} must be a number >= 0, got {v!r}')
 
 
 def _finite_or_none(x):
@@ -904,6 +930,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   workdir = Path(workdir)
   tc = config.train
   check_train_config(tc)
+  if 'augment' in config:
+    check_augment_config(config.augment, 'config.augment')
   mesh = make_mesh() if mesh is None else mesh
   check_batch_size(tc.batch_size, mesh)
   chief, several = jax.process_index() == 0, jax.process_count() > 1

@@ -332,3 +332,21 @@ def test_other_data_in_the_same_folder_is_named_so(tmp_path):
   with pytest.raises(ValueError, match=r'rerun with that --data to resume it'):
     train._check_same_data(tmp_path / 'run', saved,
                            {'data_dir': str(tmp_path / 'other'), 'frames': 120})
+
+
+def test_values_that_mean_nothing_are_refused_before_anything_is_written(cmu_shards, tiny_config,
+                                                                          tmp_path):
+  """A probability outside [0, 1] (`--config.augment.mirror=1.5`), a negative noise level or a
+  final learning-rate fraction above 1 is refused in one line, the workdir not made (they were
+  accepted)."""
+  for section, key, value, match in (
+      ('augment', 'mirror', 1.5, r'config\.augment\.mirror must be a probability in \[0, 1\]'),
+      ('augment', 'outlier_prob', -0.1, r'config\.augment\.outlier_prob must be a probability'),
+      ('augment', 'noise_mm_max', -5.0, r'config\.augment\.noise_mm_max must be a number >= 0'),
+      ('train', 'final_lr_fraction', 2.0, r'train\.final_lr_fraction must be a fraction of the '
+                                          r'learning rate in \[0, 1\]')):
+    c = tiny_config(cmu_shards)
+    c[section][key] = value
+    with pytest.raises(ValueError, match=match):
+      train.train_and_evaluate(c, tmp_path / 'w', log=_quiet)
+    assert not (tmp_path / 'w').exists()
