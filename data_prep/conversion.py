@@ -534,6 +534,9 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
     raise ConversionError(f'--split must be auto or one of {", ".join(SPLIT_NAMES)}, got {split!r}')
   if on_error not in ('fail', 'skip'):
     raise ConversionError(f'on_error must be fail or skip, got {on_error!r}')
+  if split_file is not None and split != 'auto':
+    raise ConversionError(f'--split_file places each file by its entry, --split={split} puts '
+                          'every file in one split: give one of them')
   output = Path(output)
   shards = load_output(output)
   inputs = find_bvh_files(input_path)

@@ -654,3 +654,12 @@ def test_a_file_in_other_units_among_the_others_is_refused(tmp_path, cmu_dir):
                      r'unit\?\): convert files in other units on their own'):
     conversion.convert(inp, 'auto', tmp_path / 'mixed', **kw)
   assert not (tmp_path / 'mixed' / 'summary.json').exists()
+
+
+def test_a_split_file_with_a_named_split_is_refused(tmp_path):
+  """--split=train with --split_file: one of them was ignored (the file), silently."""
+  (tmp_path / 'split.json').write_text('{}')
+  with pytest.raises(ConversionError, match=r'--split_file places each file by its entry, '
+                     r'--split=train puts every file in one split: give one of them'):
+    conversion.convert(tmp_path, 'cmu_body', tmp_path / 'out', split='train',
+                       split_file=str(tmp_path / 'split.json'), log=quiet)
