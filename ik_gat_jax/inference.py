@@ -43,10 +43,15 @@ SHIPPED_PRIOR = SHIPPED / 'prior'
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
   """`path` as given; the bare name of a shipped checkpoint that is not a file or directory
   here (e.g. 'ikgat_fast') -> it under SHIPPED, so the shipped models load by name from any
-  working directory (a local directory of that name wins)."""
+  working directory (a local directory of that name wins); a bare name of neither: a
+  CheckpointError listing the shipped ones."""
   path = Path(path)
   if not path.exists() and len(path.parts) == 1 and (SHIPPED / path).is_dir():
     return SHIPPED / path
+  if not path.exists() and len(path.parts) == 1 and SHIPPED.is_dir():  # a name, of nothing
+    shipped = sorted(d.name for d in SHIPPED.iterdir() if (d / 'README.md').is_file())
+    raise CheckpointError(f'no checkpoint {str(path)!r}: neither a directory here nor a shipped '
+                          f'checkpoint ({", ".join(shipped)})')
   return path
 
 

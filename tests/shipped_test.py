@@ -398,3 +398,13 @@ def test_xla_s_default_compilation_gives_the_suite_s_numbers(cmu_dir, tmp_path):
   diff = _max_angle_deg(theirs, ours)
   print(f'XLA defaults against the suite\'s flags: {diff:.2e} deg at most')
   assert diff < 1e-3
+
+
+def test_a_bare_name_of_no_checkpoint_lists_the_shipped_ones():
+  """`--checkpoint=ikgat_bse` (a typo): the shipped checkpoints named, not a path under the
+  working directory."""
+  from ik_gat_jax import inference
+  from ik_gat_jax.errors import CheckpointError
+  with pytest.raises(CheckpointError, match=r"^no checkpoint 'ikgat_bse': neither a directory "
+                     r'here nor a shipped checkpoint \(.*ikgat_base, .*ikgat_fast'):
+    inference.load_model('ikgat_bse')
