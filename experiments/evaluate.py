@@ -155,6 +155,17 @@ def refine_config():
                                     w_prior=_W_PRIOR.value)
 
 
+def _check_method_flags() -> None:
+  """A model flag its method does not use is refused (it was ignored: `--method=swing
+  --checkpoint=RUN` measured swing IK and said nothing)."""
+  method = _METHOD.value
+  if _CHECKPOINT.value is not None and method != 'ikgat':
+    raise ValueError(f'--checkpoint applies to --method=ikgat only, not {method}')
+  if _PRIOR.value is not None and method not in ('ikgat', 'iterative'):
+    raise ValueError(f'--prior applies to --method=iterative (and ikgat\'s refinement) only, '
+                     f'not {method}')
+
+
 def _mirror() -> bool:
   if _MIRROR.value and _METHOD.value != 'ikgat':
     raise ValueError('--mirror applies to --method=ikgat only')
@@ -174,6 +185,7 @@ def main(argv):
   out = Path(_OUTPUT.value) if _OUTPUT.value else None
   if out is not None and out.parent and not out.parent.exists():
     raise FileNotFoundError(f'output directory {out.parent} does not exist')
+  _check_method_flags()
   ds = data.load_shards(_DATA.value, _SPLIT.value)
   train_data = (data.load_shards(_DATA.value, 'train') if _METHOD.value == 'mean_pose' else None)
   method = evaluation.make_method(_METHOD.value, ds.rig, train_data=train_data,

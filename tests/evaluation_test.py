@@ -145,6 +145,16 @@ def test_cli_bad_split_is_one_line_nonzero(cmu_shards, tmp_path):
   assert not out.exists()
 
 
+def test_cli_refuses_a_model_flag_its_method_does_not_use(cmu_shards, tmp_path):
+  """`--method=swing --checkpoint=RUN` measured swing IK and ignored the checkpoint."""
+  p = subprocess.run([sys.executable, '-m', 'experiments.evaluate', f'--data={cmu_shards}',
+                      '--method=swing', f'--checkpoint={tmp_path}'],
+                     capture_output=True, text=True, timeout=120)
+  assert p.returncode == 2
+  assert p.stderr.strip().splitlines() == [
+      'error: --checkpoint applies to --method=ikgat only, not swing'], p.stderr
+
+
 def test_cli_without_output_json_prints_the_table(cmu_shards, tmp_path):
   p = subprocess.run([sys.executable, '-m', 'experiments.evaluate', f'--data={cmu_shards}',
                       '--split=val', '--method=swing', '--max_frames=16'],
