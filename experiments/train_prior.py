@@ -13,6 +13,7 @@ from any working directory.
 """
 
 from pathlib import Path
+import json
 import sys
 
 from absl import flags
@@ -67,17 +68,30 @@ def main(argv):
     train.train_and_evaluate(config, _WORKDIR.value, task=prior_task.PRIOR_TASK)
   except KeyboardInterrupt:
     sys.exit(130)
-  if finished and report_path.is_file():  # trained before, report written: nothing to redo
+  if finished and _readable(report_path):  # trained before, report written: nothing to redo
     return
   model, meta = inference.load_model(_WORKDIR.value, task=prior_task.PRIOR_TASK)
-  report = prior_task.evaluate_prior(model, train_data, report_split(config.data, train_data),
-                                     train_data.rig, config)
+  measured = report_split(config.data, train_data)
+  report = prior_task.evaluate_prior(model, train_data, measured, train_data.rig, config)
+  # Without a val split the report measures the training poses: it says so (the JSON keys keep
+  # their names, `reconstruction_split` says which).
+  report['reconstruction_split'] = split = 'train' if measured is train_data else 'val'
   r = report['val_reconstruction']
-  print(f"prior: val reconstruction {r['local_rot_err_deg']:.2f} deg, {r['mpjpe_mm']:.1f} mm; "
-        f"active latent dims {report['active_dims']}/{report['latent']}; nearest training pose "
-        f"from 1000 samples {report['sample_to_nearest_train_deg']:.2f} deg vs from val poses "
+  print(f"prior: {split} reconstruction {r['local_rot_err_deg']:.2f} deg, {r['mpjpe_mm']:.1f} "
+        f"mm{' (no val split: the training poses)' if split == 'train' else ''}; active latent "
+        f"dims {report['active_dims']}/{report['latent']}; nearest training pose from 1000 "
+        f"samples {report['sample_to_nearest_train_deg']:.2f} deg vs from {split} poses "
         f"{report['val_to_nearest_train_deg']:.2f} deg")
   atomic.write_json(report_path, report)
+
+
+def _readable(path: Path) -> bool:
+  """Whether the report at `path` is there and JSON (a damaged one is written again)."""
+  try:
+    json.loads(path.read_text())
+    return True
+  except (OSError, ValueError):
+    return False
 
 
 if __name__ == '__main__':

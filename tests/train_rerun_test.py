@@ -350,3 +350,14 @@ def test_values_that_mean_nothing_are_refused_before_anything_is_written(cmu_sha
     with pytest.raises(ValueError, match=match):
       train.train_and_evaluate(c, tmp_path / 'w', log=_quiet)
     assert not (tmp_path / 'w').exists()
+
+
+def test_a_damaged_prior_report_is_written_again(tmp_path):
+  """train_prior reran on a finished run keeps its report only where it is JSON (a truncated
+  one was kept, and the run said 'already done')."""
+  from experiments import train_prior  # pylint: disable=import-outside-toplevel
+  (tmp_path / 'ok.json').write_text('{"active_dims": 3}')
+  (tmp_path / 'cut.json').write_text('{"active_di')
+  assert train_prior._readable(tmp_path / 'ok.json')
+  assert not train_prior._readable(tmp_path / 'cut.json')
+  assert not train_prior._readable(tmp_path / 'missing.json')
