@@ -562,13 +562,21 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
   new, skipped = new_inputs(inputs, shards, output, log)
   if new and on_error == 'fail':
     _check_joint_map_first(new[0][1], jmap, known)
-  todo = [(file, path, sha, *assign_split(file, sha, split, split_doc),
-           subject_of(file, jmap.subject_regex)) for file, path, sha in new]
-  if not todo:
+  todo, refused = [], []
+  for file, path, sha in new:
+    try:
+      todo.append((file, path, sha, *assign_split(file, sha, split, split_doc),
+                   subject_of(file, jmap.subject_regex)))
+    except ConversionError as e:  # not in the split, or edited since it was made
+      if on_error != 'skip':
+        raise
+      refused.append({'file': file, 'reason': str(e)})
+      log(f'REFUSED {e}')
+  if not todo and not refused:
     log(f'nothing to convert: every input file is already in {output}')
     return shards.summary
 
-  clips, refused = [], []
+  clips = []
   names = known.joint_names if known else None
   parents = known.parents if known else None
   for file, path, sha, split_name, part, subject in todo:

@@ -663,3 +663,19 @@ def test_a_split_file_with_a_named_split_is_refused(tmp_path):
                      r'--split=train puts every file in one split: give one of them'):
     conversion.convert(tmp_path, 'cmu_body', tmp_path / 'out', split='train',
                        split_file=str(tmp_path / 'split.json'), log=quiet)
+
+
+def test_on_error_skip_skips_a_file_the_split_refuses(tmp_path, cmu_dir):
+  """--on_error=skip: a file outside the committed split is refused in a line and the others
+  converted (the split's refusal stopped the whole conversion)."""
+  inp = tmp_path / 'in'
+  inp.mkdir()
+  (inp / '09_03.bvh').symlink_to(cmu_dir / '09_03.bvh')  # in the split, as it is
+  (inp / 'zz_99.bvh').symlink_to(cmu_dir / '09_03.bvh')
+  said = []
+  summary = conversion.convert(inp, 'cmu_body', tmp_path / 'out', on_error='skip',
+                               log=said.append)
+  assert summary['total_files'] == 1
+  assert any(s.startswith('REFUSED zz_99.bvh is not in split cmu_default') for s in said), said
+  with pytest.raises(ConversionError, match='zz_99.bvh is not in split'):
+    conversion.convert(inp, 'cmu_body', tmp_path / 'out2', log=quiet)
