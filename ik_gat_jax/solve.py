@@ -15,8 +15,9 @@ its joint map or --reference_pose names a natural pose other than the rig's, its
 in it make the rotations the file's own: `skeleton.with_reference_pose`). Output
 by extension: .bvh (the rig with the subject's offsets, animated, its joints named as the input
 named them: a namespace, `Anna:Hips`, and a joint map's source names kept; --joint_names=rig for
-the rig's names; for a BVH input in its units and, per joint, the rotation channel order of the source joint it maps
-from (ZYX for a joint without one) and, where it has its offsets, with its leaves' End Sites
+the rig's names; for a BVH input in its units and, per joint, the rotation channel order of the
+source joint it maps from (ZYX for a joint without one) and, where it has its offsets, with its
+leaves' End Sites
 and its constant-rotation joints the rig left out written back (its hierarchy), else
 centimetres, ZYX and End Sites along the leaves; --bvh_units=cm|m|inch|NUMBER sets the units;
 the root's OFFSET 0, the angles continuous over frames), .npz (rotations, FK

@@ -1799,8 +1799,9 @@ class IKSolver:
   def _check_stream(self, pos: np.ndarray, scale: float = 1.0, input_axes=None) -> None:
     """A stream's first frame(s) `[n, J, 3]` with every joint: the units and axes checks of
     `solve` (`check_plausibility`; `scale`: the metres per input unit the frames were given
-    in; `input_axes`, the axes map they were given with), once per stream (until `reset()`), so a live loop fed millimetres or z-up data hears
-    it at its start; the frames after it are not checked."""
+    in; `input_axes`, the axes map they were given with), once per stream (until `reset()`), so a
+    live loop fed millimetres or z-up data hears it at its start; the frames after it are not
+    checked."""
     if all_finite(pos):
       self._stream_checked = True
       check_plausibility(pos, self.rig, scale, input_axes=None if input_axes is None else

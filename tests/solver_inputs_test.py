@@ -1,8 +1,9 @@
 """The solver's input checks (issue I, item 6): each bad input raises `InputError` with its reason.
 
 One test per check: non-numeric input, float16 (a warning), zero frames, wrong offsets shape,
-a zero-length bone, fps <= 0, negative units, offsets and offsets_from both given, `step()` with several frames, a
-stream item larger than block_size, block_size < 1, an axes matrix that is not a signed
+a zero-length bone, fps <= 0, negative units, offsets and offsets_from both given, `step()` with
+several frames, a stream item larger than block_size, block_size < 1, an axes matrix that is not a
+signed
 permutation. Every check fails before anything is compiled, so the shipped model loads once
 (module fixture) and nothing is traced.
 """

@@ -15,7 +15,8 @@ Readers return positions `[T, J, 3]` in the rig's joint order:
   semicolon or tab between fields an empty field is a missing value (NaN, as pandas writes one;
   a joint the solver then refuses or holds, `hold_missing`), as is `NA` or `N/A` (R's), and one
   separator after the last field is allowed. The first row is a header where it holds more
-  words than numbers, or counts the columns (0, 1, 2, ...: pandas' labels of unnamed ones); a UTF-8 byte order mark (Excel's "CSV UTF-8") is read past.
+  words than numbers, or counts the columns (0, 1, 2, ...: pandas' labels of unnamed ones); a UTF-8
+  byte order mark (Excel's "CSV UTF-8") is read past.
 - BVH: joint positions by FK, reduced to the rig with `io.retarget` (the file's own
   rest offsets come along). A BVH that has every rig joint by name (e.g. one this module wrote)
   is reduced by name, extra subtrees pruned, in centimetres unless `units` says otherwise; any
@@ -46,8 +47,9 @@ refused unless `overwrite`):
   `poses [T, 66]` axis-angle of the 22 local rotations (root orientation first), `trans`, ...;
   in the rig's y-up world (the SMPL model's frame) by default, or AMASS's with `world='amass'`.
 - GLB (`write_solution_glb`; `io.gltf.solution_glb` for the bytes): glTF 2.0 binary, one node
-  per rig joint (the rig's names or `names`, its hierarchy, rest translation = the subject's offsets, rest
-  rotation identity), the local rotations and the root position as LINEAR channels at t / fps,
+  per rig joint (the rig's names or `names`, its hierarchy, rest translation = the subject's
+  offsets, rest rotation identity), the local rotations and the root position as LINEAR channels at
+  t / fps,
   and a body of boxes, each rigidly skinned to its joint. Metres, y up; a rig with other axes
   sits under one fixed rotation node. Details in `io.gltf`'s docstring.
 - FBX (`write_solution_fbx`; needs Blender on PATH, else one line saying what to install): the

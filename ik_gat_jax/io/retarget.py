@@ -237,8 +237,8 @@ def load_joint_map(spec: str) -> JointMap:
       known = sorted(p.stem for p in JOINT_MAP_DIR.glob('*.json') if p.stem != 'schema')
       raise ConversionError(f'no joint map {spec!r}: neither a file nor a built-in joint map '
                             f'({", ".join(known)}); give a joint-map JSON file '
-                            '(ik_gat_jax/io/joint_maps/schema.json), or for a conversion --rig=auto '
-                            '(the files\' own hierarchy)')
+                            '(ik_gat_jax/io/joint_maps/schema.json), or for a conversion '
+                            '--rig=auto (the files\' own hierarchy)')
   if not path.is_file():
     raise ConversionError(f'joint map {spec} does not exist')
   text = path.read_text()
