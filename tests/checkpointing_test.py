@@ -299,13 +299,16 @@ def test_model_config_diff():
 
 def test_a_shipped_checkpoint_loads_by_name_from_anywhere(tmp_path, monkeypatch):
   """`--checkpoint=ikgat_fast` from any working directory: a bare name that is not a directory
-  here is the shipped checkpoint of that name; a directory of that name here wins."""
+  here is the shipped checkpoint of that name; a directory of that name here wins; a name of
+  neither is refused, listing the shipped ones."""
   monkeypatch.chdir(tmp_path)
   shipped = inference.SHIPPED / 'ikgat_fast'
   assert inference.checkpoint_path('ikgat_fast') == shipped == inference.resolve_checkpoint(
       'ikgat_fast')
   _, meta = inference.load_model('ikgat_fast')
   assert meta['task'] == 'ikgat'
-  assert inference.checkpoint_path('no_such_model') == Path('no_such_model')
+  with pytest.raises(checkpointing.CheckpointError, match=r"no checkpoint 'no_such_model': "
+                     r'neither a directory here nor a shipped checkpoint \(.*ikgat_fast'):
+    inference.checkpoint_path('no_such_model')  # a name of nothing: the shipped ones listed
   (tmp_path / 'ikgat_fast').mkdir()
   assert inference.checkpoint_path('ikgat_fast') == Path('ikgat_fast')
