@@ -452,6 +452,14 @@ def test_other_exports_of_a_cmu_file(ckpt, cmu_dir, tmp_path):
   with pytest.raises(InputError, match='no frames to solve .joint map cmu_body leaves out the '
                      'first'):
     solve.solve_file(tmp_path / 'one.bvh', tmp_path / 'one.npz', checkpoint=ckpt, log=_quiet)
+  # A skeleton definition (Frames: 0, as DCC tools write one): nothing to solve, in one line;
+  # as --offsets_from, the same offsets as a clip of that skeleton (it crashed on frame 0).
+  cmu = skeleton.get_rig('cmu_body')
+  bvh.write_bvh(tmp_path / 'skeleton.bvh', dataclasses.replace(m, motion=m.motion[:0]))
+  with pytest.raises(InputError, match=r'no frames to solve \(0 in the file: a skeleton'):
+    solve.solve_file(tmp_path / 'skeleton.bvh', tmp_path / 'sk.npz', checkpoint=ckpt, log=_quiet)
+  np.testing.assert_array_equal(exports.read_bvh_offsets(tmp_path / 'skeleton.bvh', cmu),
+                                exports.read_bvh_offsets(tmp_path / 'clip.bvh', cmu))
   solve.solve_file(tmp_path / 'clip.bvh', tmp_path / 'out.bvh', checkpoint=ckpt, log=_quiet)
   with pytest.raises(InputError, match=r'looks like CMU.s units .*: pass --units=cmu \(no '):
     solve.solve_file(tmp_path / 'out.bvh', tmp_path / 'back.npz', checkpoint=ckpt, log=_quiet)

@@ -489,18 +489,25 @@ def _by_name_joint_map(motion: bvh.BVHMotion, rig: Rig, scale: float | None):
 def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = None,
                   units: str | float | None = None, fps: float | None = None,
                   max_frames: int | None = None,
-                  reference_pose: str | None = None) -> PositionsFile:
+                  reference_pose: str | None = None,
+                  rest_if_empty: bool = False) -> PositionsFile:
   """A BVH's joint positions `[T, J, 3]` and rest offsets `[J, 3]`, reduced to `rig` (metres,
   rig axes, verified FK); at `fps` (default: the file's own rate, no resampling). Where the
   joint map's `reference_pose` gives channel values of a natural pose other than the rig's, or
   `reference_pose` says 'first_frame' (this clip starts in it; 'zero': the zero pose is it),
-  `reference` holds the joints' world frames in it (`PositionsFile`)."""
+  `reference` holds the joints' world frames in it (`PositionsFile`). `rest_if_empty`: a file
+  of no frames (a skeleton definition, `Frames: 0`) reads as one frame of the rest pose (all
+  channels zero; what `read_bvh_offsets` needs), instead of being refused."""
   if reference_pose not in (None,) + retarget.REFERENCE_POSES:
     raise InputError(f'reference_pose must be one of {", ".join(retarget.REFERENCE_POSES)}, '
                      f'got {reference_pose!r}')
   raw = bvh.read_bvh(path)
   motion = bvh.strip_namespace(raw)  # 'mocap:Hips' -> 'Hips' (io/bvh.py)
   jmap = bvh_joint_map(motion, rig, joint_map, units)
+  if rest_if_empty and motion.num_frames == 0:
+    motion = dataclasses.replace(motion, motion=np.zeros((1,) + motion.motion.shape[1:],
+                                                         motion.motion.dtype))
+    jmap = dataclasses.replace(jmap, drop_first_frame=False)
   space, source = bvh.namespace(raw.names), {r: src for src, r in jmap.joints}
   if reference_pose is not None or isinstance(jmap.reference_pose, str):
     # A joint map's 'first_frame' meant the first file of its conversion (the rig's reference
@@ -513,7 +520,8 @@ def read_bvh_clip(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = 
   stop = None if max_frames is None else first + max_frames
   motion = dataclasses.replace(motion, motion=motion.motion[first:stop])
   if motion.num_frames < 1:
-    raise InputError(f'{path}: no frames to solve' + (
+    raise InputError(f'{path}: no frames to solve' + (' (0 in the file: a skeleton definition)'
+                                                      if raw.num_frames == 0 else '') + (
         f' (joint map {jmap.name} leaves out the first, a T-pose in its files; --joint_map for '
         'one that keeps it)' if first else ''))
   W = retarget.world_rotation(jmap.up, jmap.forward, rig.up, rig.forward)
@@ -574,7 +582,8 @@ def source_rotation_orders(motion: bvh.BVHMotion, jmap, rig: Rig) -> tuple[str, 
 def read_bvh_offsets(path: str | os.PathLike, rig: Rig, *, joint_map: str | None = None,
                      units: str | float | None = None) -> np.ndarray:
   """A BVH subject's rest offsets `[J, 3]` reduced to `rig` (metres, rig axes)."""
-  return read_bvh_clip(path, rig, joint_map=joint_map, units=units, max_frames=1).offsets
+  return read_bvh_clip(path, rig, joint_map=joint_map, units=units, max_frames=1,
+                       rest_if_empty=True).offsets
 
 
 # ----------------------------------------------------------------------------------------------

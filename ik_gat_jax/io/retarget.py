@@ -636,7 +636,9 @@ def opens_with_its_own_pose(motion: bvh.BVHMotion, units_m: float) -> bool:
   all whole numbers (cgspeed writes that frame so), or a joint `FIRST_FRAME_JUMP_M` or more
   from where frame 1 has it, relative to the root (CMU: 0.31-1.2 m; a body moves 1-2 cm between
   frames at 120 fps). False for a clip cut from the middle of a file, whose frame 0 moves on
-  into frame 1."""
+  into frame 1, and for a file of no frames."""
+  if motion.num_frames < 1:
+    return False
   whole = all(np.allclose(motion.rotation_degrees(j)[0], np.round(motion.rotation_degrees(j)[0]),
                           rtol=0.0, atol=1e-9) for j in range(len(motion.joints)))
   if whole or motion.num_frames < 2:
