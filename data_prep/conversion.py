@@ -26,7 +26,9 @@ Choices written down (DESIGN leaves them open; the reduction's are in `io.retarg
   declaration is read from the first file to convert; a derived rig stores it, a named rig must
   agree with it.
 - Merging. A run into an existing shard directory appends: files already there with the same
-  sha256 are skipped (logged), a file of the same name with a different sha256 is refused. The
+  sha256 are skipped (logged), a file of the same name with a different sha256 is refused, and a
+  file whose bytes are there (or earlier in the run) under another name is skipped, naming it
+  (a folder converted again from another root: its frames twice, under two subjects). The
   rig and the frame rate must match the directory's. The whole new directory is written beside
   the old one and swapped in with renames, so a failed run leaves the old output untouched.
 """
@@ -445,9 +447,13 @@ def check_output_matches(shards: _Shards, output: Path, fps: float,
 def new_inputs(inputs: Sequence[tuple[str, Path]], shards: _Shards, output: Path,
                log: Log = log_stderr) -> tuple[list[tuple[str, Path, str]], list[str]]:
   """`((file, path, sha256) not yet in the shards, files skipped)`: a file already there with
-  the same sha256 is skipped (logged), one with a different sha256 refused."""
+  the same sha256 is skipped (logged), one with a different sha256 refused. A file whose bytes
+  are already there, or earlier in `inputs`, under another name (the same folder converted
+  again from another root, or a copy) is skipped too, naming the other: its frames twice
+  would weigh it double, and under two subjects one could land in test and one in train."""
   todo, skipped = [], []
   done = {f['file']: f['sha256'] for f in shards.files}
+  by_sha = {f['sha256']: f['file'] for f in shards.files}
   for file, path in inputs:
     sha = file_sha256(path)
     if file in done:
@@ -457,6 +463,13 @@ def new_inputs(inputs: Sequence[tuple[str, Path]], shards: _Shards, output: Path
       skipped.append(file)
       log(f'{file}: already in {output}, skipped')
       continue
+    if sha in by_sha:
+      skipped.append(file)
+      log(f'{file}: the same bytes as {by_sha[sha]}' + (
+          f', already in {output}' if by_sha[sha] in done else ' (converted in this run)')
+          + ', skipped')
+      continue
+    by_sha[sha] = file
     todo.append((file, path, sha))
   return todo, skipped
 

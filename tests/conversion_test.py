@@ -325,6 +325,22 @@ def test_second_run_adds_files_and_keeps_ids(tmp_path, cmu_dir):
     conversion.convert(cmu_dir / '07_03.bvh', 'cmu_body', out, fps=50.0, log=quiet)
   assert (out / 'summary.json').read_text() == before
   assert sorted(p.name for p in tmp_path.iterdir()) == ['in', 'in2', 'out']  # no temp dirs left
+  # The same bytes under another name are skipped, naming the file they are: the folder
+  # converted again from another root (a new subject of the same frames, which a subject split
+  # could put in test and train), or a copy beside the original in one run.
+  (tmp_path / 'in3' / 'anna').mkdir(parents=True)
+  for src, name in (('07_02.bvh', 'anna/07_02.bvh'), ('07_03.bvh', 'anna/07_03.bvh'),
+                    ('07_03.bvh', 'anna/07_03 copy.bvh')):
+    (tmp_path / 'in3' / name).symlink_to(cmu_dir / src)
+  messages = []
+  summary = conversion.convert(tmp_path / 'in3', 'cmu_body', out, split='train',
+                               log=messages.append)
+  assert 'anna/07_02.bvh: the same bytes as 07_02.bvh, already in' in messages[0], messages
+  assert any('anna/07_03.bvh: the same bytes as anna/07_03 copy.bvh (converted in this run), '
+             'skipped' in m for m in messages), messages
+  files = json.loads((out / 'files.json').read_text())
+  assert [f['file'] for f in files] == ['07_01.bvh', '07_02.bvh', '08_01.bvh', 'anna/07_03 copy.bvh']
+  assert summary['runs'][-1]['files_skipped'] == ['anna/07_02.bvh', 'anna/07_03.bvh']
 
 
 def test_auto_split_refuses_unlisted_and_changed_files(tmp_path, cmu_dir):
