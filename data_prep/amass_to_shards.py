@@ -31,6 +31,7 @@ data_prep/amass.py.
 """
 
 import os
+import sys
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # host-side float64 work; keep accelerators free
 
@@ -39,7 +40,7 @@ from absl import flags  # noqa: E402
 
 from data_prep import amass  # noqa: E402
 from data_prep import conversion  # noqa: E402
-from ik_gat_jax.absl_main import fail  # noqa: E402
+from ik_gat_jax.absl_main import fail, terminate_as_interrupt  # noqa: E402
 from ik_gat_jax.errors import ConversionError  # noqa: E402
 
 _INPUT = flags.DEFINE_string('input', None, 'AMASS root, a sub-dataset/subject directory, or '
@@ -68,13 +69,18 @@ def main(argv):
     fail(f'{", ".join(missing)} required')
   expand = lambda p: os.path.expanduser(p) if p else p  # noqa: E731
   try:
-    summary = amass.convert(
-        expand(_INPUT.value), expand(_BODY_MODEL.value), expand(_OUTPUT.value),
-        body_model_female=expand(_FEMALE.value), body_model_male=expand(_MALE.value),
-        split=_SPLIT.value, fps=_FPS.value, num_betas=_NUM_BETAS.value,
-        split_file=expand(_SPLIT_FILE.value), on_error=_ON_ERROR.value)
+    with terminate_as_interrupt():
+      summary = amass.convert(
+          expand(_INPUT.value), expand(_BODY_MODEL.value), expand(_OUTPUT.value),
+          body_model_female=expand(_FEMALE.value), body_model_male=expand(_MALE.value),
+          split=_SPLIT.value, fps=_FPS.value, num_betas=_NUM_BETAS.value,
+          split_file=expand(_SPLIT_FILE.value), on_error=_ON_ERROR.value)
   except (ConversionError, OSError) as e:
     fail(str(e))
+  except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the new folder is removed, not swapped in
+    print(f'interrupted: {_OUTPUT.value} is as it was; rerun the same command to convert',
+          file=sys.stderr)
+    sys.exit(130)
   run = summary['runs'][-1]
   gap = run.get('lbs_joint_gap_max_m')
   conversion.log_stderr(

@@ -33,6 +33,7 @@ leaves --output as it was. Layout of DIR: ik_gat_jax/data.py.
 
 import json
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # host-side float64 work; keep accelerators free
@@ -41,7 +42,7 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 from data_prep import conversion  # noqa: E402
-from ik_gat_jax.absl_main import fail, run_main  # noqa: E402
+from ik_gat_jax.absl_main import fail, run_main, terminate_as_interrupt  # noqa: E402
 from ik_gat_jax.errors import ConversionError  # noqa: E402
 from ik_gat_jax.io import bvh  # noqa: E402
 
@@ -85,14 +86,19 @@ def main(argv):
   except (OSError, ValueError):
     runs_before = 0
   try:
-    summary = conversion.convert(
-        _INPUT.value, _RIG.value, _OUTPUT.value, split=_SPLIT.value, fps=_FPS.value,
-        units=_UNITS.value, up=_UP.value, forward=_FORWARD.value, prune=_PRUNE.value,
-        drop_first_frame=_DROP_FIRST.value, subject_regex=_SUBJECT_REGEX.value,
-        split_file=_SPLIT_FILE.value, rig_name=_RIG_NAME.value, on_error=_ON_ERROR.value,
-        reference_pose=_REFERENCE_POSE.value)
+    with terminate_as_interrupt():
+      summary = conversion.convert(
+          _INPUT.value, _RIG.value, _OUTPUT.value, split=_SPLIT.value, fps=_FPS.value,
+          units=_UNITS.value, up=_UP.value, forward=_FORWARD.value, prune=_PRUNE.value,
+          drop_first_frame=_DROP_FIRST.value, subject_regex=_SUBJECT_REGEX.value,
+          split_file=_SPLIT_FILE.value, rig_name=_RIG_NAME.value, on_error=_ON_ERROR.value,
+          reference_pose=_REFERENCE_POSE.value)
   except (ConversionError, bvh.BVHError, OSError) as e:
     fail(str(e))
+  except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the new folder is removed, not swapped in
+    print(f'interrupted: {_OUTPUT.value} is as it was; rerun the same command to convert',
+          file=sys.stderr)
+    sys.exit(130)
   runs_after = len(summary.get('runs', []))
   if runs_after and runs_before == runs_after:  # nothing new: the folder as it was
     conversion.log_stderr(f'unchanged {_OUTPUT.value}: rig {summary["rig"]}, files '

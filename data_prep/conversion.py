@@ -42,6 +42,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -150,6 +151,24 @@ def convert_file(file: str, path: str | os.PathLike, subject: str, jmap: retarge
 # Inputs, subjects and splits.
 
 
+def files_under(root: Path, suffix: str) -> list[Path]:
+  """Every file named `*suffix` (any case) under the directory `root`, sorted, following linked
+  directories (a dataset linked in from another disk; each real directory once), without
+  macOS's AppleDouble `._NAME` files (metadata a Mac leaves on other file systems)."""
+  found, seen = [], set()
+  for top, dirs, files in os.walk(root, followlinks=True):
+    real = os.path.realpath(top)
+    if real in seen:  # a link back up the tree, or a second link to one directory
+      dirs[:] = []
+      continue
+    seen.add(real)
+    dirs.sort()
+    found += [Path(top) / f for f in files
+              if f.lower().endswith(suffix) and not f.startswith('._')
+              and os.path.isfile(os.path.join(top, f))]
+  return sorted(found)
+
+
 def find_bvh_files(input_path: str | os.PathLike) -> list[tuple[str, Path]]:
   """`(name, path)` of a BVH file, or of every *.bvh under a directory (name: relative path)."""
   root = Path(input_path)
@@ -157,7 +176,7 @@ def find_bvh_files(input_path: str | os.PathLike) -> list[tuple[str, Path]]:
     return [(root.name, root)]
   if not root.is_dir():
     raise ConversionError(f'input {root} does not exist')
-  found = sorted(p for p in root.rglob('*') if p.is_file() and p.suffix.lower() == '.bvh')
+  found = files_under(root, '.bvh')
   if not found:
     raise ConversionError(f'no .bvh files under {root}')
   return [(p.relative_to(root).as_posix(), p) for p in found]
@@ -353,8 +372,10 @@ def _summarise(shards: _Shards, rig: skeleton.Rig, fps: float, hashes: dict, run
 
 
 def write_output(output: Path, shards: _Shards, rig: skeleton.Rig, clips: Sequence[Clip],
-                 fps: float, split_sources: dict, run: dict) -> dict:
-  """Writes old + new content into a temporary sibling directory, then swaps it in."""
+                 fps: float, split_sources: dict, run: dict, log: Log = log_stderr) -> dict:
+  """Writes old + new content into a temporary sibling directory, then swaps it in. The
+  siblings a killed run left (`remove_stale_siblings`) go first."""
+  remove_stale_siblings(output, log)
   new_subjects = _assign_subjects(shards, clips)
   with jax.enable_x64(True):
     for s in new_subjects:
@@ -374,7 +395,8 @@ def write_output(output: Path, shards: _Shards, rig: skeleton.Rig, clips: Sequen
                                'sha256': c.sha256, 'split': c.split, 'part': c.part})
   shards.split_sources.update(split_sources)
   output.parent.mkdir(parents=True, exist_ok=True)
-  tmp = Path(tempfile.mkdtemp(prefix=f'.{output.name}.tmp-', dir=output.parent))
+  tmp = Path(tempfile.mkdtemp(prefix=f'.{output.name}.tmp-{_HOST}-{os.getpid()}-',
+                              dir=output.parent))
   try:
     umask = os.umask(0)
     os.umask(umask)
@@ -411,12 +433,46 @@ def write_output(output: Path, shards: _Shards, rig: skeleton.Rig, clips: Sequen
   return summary
 
 
+_HOST = re.sub(r'[^A-Za-z0-9_.]', '_', socket.gethostname()) or 'host'
+
+
+def remove_stale_siblings(output: Path, log: Log = log_stderr) -> None:
+  """Removes the `.NAME.tmp-HOST-PID-*` / `.NAME.old-HOST-PID-*` folders beside `output` that a
+  run on this host killed (SIGKILL, a power cut) before its clean-up left: each a whole copy of
+  the shards, hidden. A live process's, or another host's, stay (said)."""
+  pattern = re.compile(rf'^\.{re.escape(output.name)}\.(tmp|old)-(.+)-(\d+)-[^-]+$')
+  if not output.parent.is_dir():
+    return
+  for p in sorted(output.parent.iterdir()):
+    m = pattern.match(p.name)
+    if m is None or not p.is_dir():
+      continue
+    host, pid = m.group(2), int(m.group(3))
+    if host == _HOST and pid != os.getpid() and not _alive(pid):
+      shutil.rmtree(p, ignore_errors=True)
+      log(f'removed {p}: left by a conversion (process {pid}) that was killed')
+    else:
+      who = f'process {pid}' if host == _HOST else f'host {host}'
+      log(f'note: {p} is a conversion in progress ({who}) or one killed on another host; left '
+          'as it is')
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's
+    return True
+  return True
+
+
 def _swap_in(tmp: Path, output: Path) -> None:
   """Replaces `output` by `tmp` with renames: the old content stays until the new is in place."""
   if not output.exists():
     os.replace(tmp, output)
     return
-  old = output.parent / f'.{output.name}.old-{os.getpid()}-{time.time_ns()}'
+  old = output.parent / f'.{output.name}.old-{_HOST}-{os.getpid()}-{time.time_ns()}'
   os.replace(output, old)
   try:
     os.replace(tmp, output)
@@ -658,7 +714,7 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
          'fk_max_error_m': max(c.fk_max_error_m for c in clips),
          'seconds': round(time.perf_counter() - started, 3), 'git_commit': git_commit(),
          'time_utc': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
-  return write_output(output, shards, target, clips, float(fps), split_sources, run)
+  return write_output(output, shards, target, clips, float(fps), split_sources, run, log)
 
 
 def _check_joint_map_first(path, jmap: retarget.JointMap, known: skeleton.Rig | None) -> None:

@@ -53,15 +53,12 @@ Solve your rig's clips afterwards with the command the card prints, e.g.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import hashlib
 import json
 import math
 import re
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -76,6 +73,7 @@ from experiments.common import exit_interrupted, fail_on_user_error, run_main
 from experiments.configs import default as default_config
 from experiments.configs import prior as prior_config
 from experiments.configs import robust as robust_config
+from ik_gat_jax.absl_main import terminate_as_interrupt
 from ik_gat_jax import checkpointing, data, evaluation, inference, iterative_ik, prior_task
 from ik_gat_jax import input_pipeline, provenance, skeleton, train, vposer
 from ik_gat_jax import model as model_lib
@@ -830,26 +828,6 @@ def define_flags() -> None:
   config_flags.DEFINE_config_file('prior_config', str(CONFIG_DIR / 'prior.py'),
                                   'Prior config (--prior_config.model.latent=...).',
                                   lock_config=False)
-
-
-@contextlib.contextmanager
-def terminate_as_interrupt():
-  """SIGTERM raises KeyboardInterrupt, as Ctrl-C does, while the block runs (main thread only),
-  so a stage it stops is recorded 'interrupted', not left 'running'; while a trainer runs, its
-  own handler (train.GracefulStop) saves a checkpoint first."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-
-  def interrupt(signum, frame):
-    del signum, frame
-    raise KeyboardInterrupt
-
-  old = signal.signal(signal.SIGTERM, interrupt)
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGTERM, old)
 
 
 @fail_on_user_error

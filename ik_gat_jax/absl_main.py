@@ -3,10 +3,13 @@ override of no field or a missing config file refused in one line. Here, below t
 both `experiments` and `data_prep` (and re-exported by `experiments.common`), so neither
 package imports the other's."""
 
+import contextlib
 import os
 import re
+import signal
 import sys
-from typing import Callable, NoReturn, Sequence
+import threading
+from typing import Callable, Iterator, NoReturn, Sequence
 
 from absl import app, flags
 
@@ -29,6 +32,27 @@ def run_main(main: Callable, define_flags: Callable[[], None] | None = None,
   if required:
     flags.mark_flags_as_required(list(required))
   app.run(main, flags_parser=_parse_flags)
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+  """SIGTERM (what a job scheduler sends at its time limit) raises KeyboardInterrupt, as Ctrl-C
+  does, while the block runs (main thread only), so the block's clean-up runs: a stage it stops
+  is recorded 'interrupted', not left 'running', a half-written folder is removed; while a
+  trainer runs, its own handler (train.GracefulStop) saves a checkpoint first."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def interrupt(signum, frame):
+    del signum, frame
+    raise KeyboardInterrupt
+
+  old = signal.signal(signal.SIGTERM, interrupt)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, old)
 
 
 def fail(message: str) -> NoReturn:

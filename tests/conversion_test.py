@@ -366,6 +366,46 @@ def test_command_line_reports_bad_input_in_one_line(tmp_path):
   assert not (tmp_path / 'out').exists()
 
 
+def test_a_stopped_conversion_leaves_its_output_as_it_was(tmp_path, cmu_dir):
+  """SIGTERM (a scheduler's time limit) stops the command as Ctrl-C does: exit 130, one line,
+  no hidden copy of the shards left beside --output (it left one, never removed); one a killed
+  run (SIGKILL) left on this host is removed by the next run, another host's is left."""
+  import signal
+  names = ('01_01.bvh', '01_02.bvh', '01_03.bvh', '01_04.bvh', '01_05.bvh', '01_06.bvh')
+  inputs = _link(tmp_path, cmu_dir, *names)
+  out = tmp_path / 'out'
+  proc = subprocess.Popen(
+      [sys.executable, '-m', 'data_prep.bvh_to_shards', f'--input={inputs}', '--rig=cmu_body',
+       f'--output={out}', '--split=train'], cwd=REPO, stderr=subprocess.PIPE, text=True)
+  try:
+    lines = []
+    for line in proc.stderr:  # the first file's line: converting, the others to come
+      lines.append(line)
+      if '01_01.bvh: subject' in line:
+        proc.send_signal(signal.SIGTERM)
+        break
+    lines += proc.stderr.read().splitlines()
+    assert proc.wait(timeout=120) == 130, lines
+  finally:
+    proc.kill()
+  assert lines[-1] == f'interrupted: {out} is as it was; rerun the same command to convert'
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['in']
+  dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'],
+                        capture_output=True, text=True, check=True)
+  stale = tmp_path / f'.out.tmp-{conversion._HOST}-{int(dead.stdout)}-x1y2'
+  other = tmp_path / '.out.old-elsewhere-7-123'
+  for d in (stale, other):
+    d.mkdir()
+    (d / 'positions.npy').write_bytes(b'0' * 100)
+  messages = []
+  conversion.convert(inputs / '01_02.bvh', 'cmu_body', out, split='train', log=messages.append)
+  assert f'removed {stale}: left by a conversion (process {int(dead.stdout)}) that was killed' in (
+      messages), messages
+  assert any(m.startswith(f'note: {other} is a conversion in progress (host elsewhere)')
+             for m in messages), messages
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['.out.old-elsewhere-7-123', 'in', 'out']
+
+
 # ----------------------------------------------------------------------------------------------
 # Re-rigging: the same motion stored the way game engines store it, recovered by --rig=auto.
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from experiments import export_checkpoint, train_rig
-from ik_gat_jax import data, inference
+from ik_gat_jax import absl_main, data, inference
 from ik_gat_jax.io import bvh
 from ik_gat_jax.skeleton import depth_first_order
 
@@ -467,7 +467,7 @@ def test_sigterm_during_convert_is_recorded_as_interrupted(tmp_path, cmu_dir):
       os.kill(os.getpid(), signal.SIGTERM)
 
   with pytest.raises(KeyboardInterrupt):
-    with train_rig.terminate_as_interrupt():
+    with absl_main.terminate_as_interrupt():
       train_rig.run(o, log=terminate_once_converting)
   stage = json.loads((tmp_path / 'w' / train_rig.MANIFEST).read_text())['stages']['convert']
   assert stage['status'] == 'interrupted'
