@@ -135,10 +135,20 @@ def _open_npz(path: Path, what: str):
     raise ConversionError(f'{what} {path} is a .pkl: {_PKL_HELP}')
   if not path.is_file():
     raise ConversionError(f'{what} {path} does not exist')
+  if not zipfile.is_zipfile(path):  # np.load would offer to unpickle it
+    with open(path, 'rb') as f:
+      head = f.read(6)
+    if head == b'\x93NUMPY':
+      raise ConversionError(f'{what} {path} holds one array (np.save), not an .npz of named '
+                            'fields')
+    hint = f' ({_PKL_HELP})' if head[:1] == b'\x80' and what == 'body model' else ''
+    raise ConversionError(f'{what} {path} is not an .npz (not a zip archive: '
+                          + ('a pickle' if head[:1] == b'\x80' else 'a failed download or another '
+                             'format?') + f'){hint}')
   try:
     npz = np.load(path, allow_pickle=False)
   except (OSError, ValueError, zipfile.BadZipFile) as e:
-    hint = f' ({_PKL_HELP})' if 'pickle' in str(e).lower() else ''
+    hint = f' ({_PKL_HELP})' if 'pickle' in str(e).lower() and what == 'body model' else ''
     raise ConversionError(f'{what} {path} is not a readable .npz: {e}{hint}') from None
   if not isinstance(npz, np.lib.npyio.NpzFile):
     raise ConversionError(f'{what} {path} holds one array, not an .npz of named fields')
@@ -254,10 +264,34 @@ class AmassMotion:
     return self.poses[:, :3 * BODY_JOINTS].reshape(-1, BODY_JOINTS, 3)
 
 
+_GENDER_WORDS = {'f': 'female', 'female': 'female', 'woman': 'female', 'w': 'female',
+                 'm': 'male', 'male': 'male', 'man': 'male',
+                 'n': 'neutral', 'neutral': 'neutral', '': 'neutral'}
+
+
 def _gender(value: np.ndarray) -> str:
+  """A file's `gender` field as one of GENDERS where it says one ('f', 'F', 'woman' ->
+  'female'; other labs' fitters write these); else the word as written (`choose_model`)."""
   g = value.item() if value.size == 1 else value
   g = g.decode() if isinstance(g, bytes) else str(g)
-  return g.strip().lower() or 'neutral'
+  g = g.strip().lower()
+  return _GENDER_WORDS.get(g, g)
+
+
+def _frame_rate(value: np.ndarray, path: Path, key: str) -> float:
+  """A file's frame rate field: a number, or an array of one (`np.savez(...,
+  mocap_framerate=[fps])`); one line for anything else."""
+  value = np.asarray(value)
+  try:
+    if value.size != 1:
+      raise ValueError
+    fps = float(value.ravel()[0])
+  except (TypeError, ValueError):
+    raise ConversionError(f'{path}: {key} must be one number, got an array of shape '
+                          f'{value.shape} ({value.dtype})') from None
+  if not (np.isfinite(fps) and fps > 0):
+    raise ConversionError(f'{path}: {key} must be a positive frame rate, got {fps:g}')
+  return fps
 
 
 def read_amass(path: str | os.PathLike) -> AmassMotion:
@@ -278,7 +312,8 @@ def read_amass(path: str | os.PathLike) -> AmassMotion:
     motion = AmassMotion(poses=read('poses').astype(np.float64),
                          trans=read('trans').astype(np.float64),
                          betas=read('betas').astype(np.float64).reshape(-1),
-                         fps=float(read(rate_key)), gender=gender)
+                         fps=_frame_rate(read(rate_key), path, rate_key),
+                         gender=gender)
   _check_motion(motion, path)
   return motion
 
@@ -397,13 +432,15 @@ def find_amass_files(input_path: str | os.PathLike) -> list[tuple[str, Path]]:
   if root.is_file():
     found, base = [root], root.parent
   elif root.is_dir():
-    found = sorted(p for p in root.rglob('*') if p.is_file() and p.suffix.lower() == '.npz')
+    found = conversion.files_under(root, '.npz')
     base = root
     if not found:
       raise ConversionError(f'no .npz files under {root}')
   else:
     raise ConversionError(f'input {root} does not exist')
-  above = list(base.resolve().parts[1:])  # the directories down to `base`, for short names
+  # The directories down to `base`, for short names: as the user named them (a linked
+  # `HumanEva` is HumanEva, whatever the folder it links to is called).
+  above = list(Path(os.path.abspath(base)).parts[1:])
   out = []
   for p in found:
     rel = list(p.relative_to(base).parts)
@@ -449,11 +486,19 @@ def subdataset_split(file: str, split_doc: dict) -> tuple[str, str | None]:
 
 def choose_model(gender: str, models: dict[str, BodyModel | None], file: str
                  ) -> tuple[str, BodyModel]:
-  """`(which, model)`: the file's gender's model when given, else the neutral one."""
+  """`(which, model)`: the file's gender's model when given, else the neutral one. A gender
+  that is none of GENDERS is refused where gendered models were given (which would it be?)."""
+  gendered = [g for g in GENDERS[1:] if models.get(g) is not None]
+  if gender not in GENDERS and gendered:
+    raise ConversionError(f'{file}: gender {gender!r} is none of {", ".join(GENDERS)} (nor f, m, '
+                          'woman, man), and gendered body models were given: fix the file\'s '
+                          'gender field, or leave out --body_model_female/--body_model_male to '
+                          'use the neutral model for every file')
   which = gender if models.get(gender) is not None else 'neutral'
   if models.get(which) is None:
-    raise ConversionError(f'{file}: gender {gender!r} and no neutral model: pass --body_model '
-                          f'(or --body_model_{gender})')
+    flag = f' (or --body_model_{gender})' if gender in GENDERS[1:] else ''
+    raise ConversionError(f'{file}: gender {gender!r} and no neutral model: pass --body_model'
+                          + flag)
   return which, models[which]
 
 
@@ -569,7 +614,7 @@ def convert(input_path: str | os.PathLike, body_model: str | None, output: str |
       log(f'{file}: skipped: {e}')
       continue
     except ConversionError as e:
-      reason = str(e) if str(e).startswith(str(path)) else f'{file}: {e}'
+      reason = str(e) if str(e).startswith((str(path), f'{file}:')) else f'{file}: {e}'
       if on_error == 'fail':
         raise ConversionError(reason) from None
       refused.append({'file': file, 'reason': reason})
@@ -588,7 +633,7 @@ def convert(input_path: str | os.PathLike, body_model: str | None, output: str |
   run = _run_record(input_path, models, num_betas, split, clips, skipped, refused, no_motion,
                     unknown, started)
   sources = {split_doc['name']: digest} if split == 'auto' else {f'--split={split}': None}
-  return conversion.write_output(output, shards, rig, clips, float(fps), sources, run)
+  return conversion.write_output(output, shards, rig, clips, float(fps), sources, run, log)
 
 
 def _log_clip(clip: conversion.Clip, fps: float, log: Log) -> None:

@@ -236,6 +236,25 @@ def test_names_from_a_subdataset_directory_or_one_file(converted):
   assert amass.find_amass_files(one) == [('CMU/02/02_01_poses.npz', one)]
 
 
+def test_linked_folders_are_followed_and_named_as_linked(converted, tmp_path):
+  """A sub-dataset linked in from another disk: its files found (they were left out without a
+  word) and named by the link (a `HumanEva` linked to `he_smplh` was named he_smplh, not in the
+  split, so HumanEva's val files went to train); AppleDouble `._` files are not motion."""
+  tmp, _, _ = converted
+  store = tmp_path / 'disk2' / 'he_smplh'
+  store.parent.mkdir()
+  store.symlink_to(tmp / 'amass' / 'HumanEva', target_is_directory=True)
+  root = tmp_path / 'amass'
+  root.mkdir()
+  (root / 'HumanEva').symlink_to(store, target_is_directory=True)
+  (root / 'loop').symlink_to(root, target_is_directory=True)  # each real folder once
+  (root / 'CMU' / '01').mkdir(parents=True)
+  (root / 'CMU' / '01' / '._01_01_poses.npz').write_bytes(b'\x00\x05\x16\x07')
+  assert [n for n, _ in amass.find_amass_files(root)] == ['HumanEva/S1/box_poses.npz']
+  assert [n for n, _ in amass.find_amass_files(root / 'HumanEva')] == [
+      'HumanEva/S1/box_poses.npz']
+
+
 def test_rerun_adds_nothing_and_named_split(converted, tmp_path):
   tmp, summary, _ = converted
   messages = []
@@ -300,6 +319,21 @@ def test_missing_field_names_the_file_and_key(tmp_path, key):
   assert str(path) in str(e.value) and '\n' not in str(e.value)
 
 
+def test_frame_rate_as_an_array_of_one_and_a_file_that_is_no_npz(tmp_path):
+  path = make_motion(tmp_path / 'D' / 's' / 'x.npz', 4, 120.0, betas_of(0), 0)
+  np.savez(path, **{**np.load(path), 'mocap_framerate': np.array([120.0])})  # as [fps] saves
+  assert amass.read_amass(path).fps == 120.0
+  np.savez(path, **{**np.load(path), 'mocap_framerate': np.array([120.0, 60.0])})
+  with pytest.raises(ConversionError, match=r'mocap_framerate must be one number, got an array '
+                     r'of shape \(2,\)'):
+    amass.read_amass(path)
+  html = tmp_path / 'D' / 's' / 'y_poses.npz'
+  html.write_text('<html>404 Not Found</html>')  # a failed download under the file's name
+  with pytest.raises(ConversionError, match=r'is not an .npz \(not a zip archive: a failed '
+                     r'download or another format\?\)$'):
+    amass.read_amass(html)
+
+
 def test_body_model_refusals(tmp_path):
   pkl = tmp_path / 'SMPL_NEUTRAL.pkl'
   pkl.write_bytes(b'\x80\x04N.')
@@ -325,6 +359,19 @@ def test_gender_picks_its_model_and_families_must_match(tmp_path):
   row = json.loads((tmp_path / 'o' / 'files.json').read_text())[0]
   assert row['gender'] == row['body_model'] == 'female' and row['file'] == 'D/s/a.npz'
   assert s['runs'][-1]['body_models']['female']['sha256'] == file_sha256(female)
+  # Other fitters' words for it: 'F' is female (it got the neutral model); a word that is no
+  # gender is refused where gendered models were given; the flag named is one that exists.
+  for word in (b'F', 'woman'):
+    np.savez(path, **{**np.load(path), 'gender': np.array(word)})
+    assert amass.read_amass(path).gender == 'female'
+  np.savez(path, **{**np.load(path), 'gender': np.array('unknown')})
+  with pytest.raises(ConversionError, match=r"^D/s/a.npz: gender 'unknown' is none of neutral, "
+                     'female, male'):
+    amass.convert(path, neutral, tmp_path / 'o3', body_model_female=female, log=quiet)
+  np.savez(path, **{**np.load(path), 'gender': np.array('m')})
+  with pytest.raises(ConversionError, match=r"^D/s/a.npz: gender 'male' and no neutral model: "
+                     r'pass --body_model \(or --body_model_male\)$'):
+    amass.convert(path, None, tmp_path / 'o3', body_model_female=female, log=quiet)
   smplh = make_body_model(tmp_path / 'h.npz', parents=PARENTS24 + (20,) * 14 + (21,) * 14)
   smplx = make_motion(tmp_path / 'x' / 'D' / 's' / 'x.npz', 8, 30.0, betas_of(0), 0, joints=55)
   with pytest.raises(ConversionError, match=r'55 joints \(SMPL-X\).*52 \(SMPL\+H\)'):
