@@ -29,6 +29,7 @@ from absl import app
 from absl import flags
 
 from data_prep import conversion
+from ik_gat_jax.absl_main import fail
 from ik_gat_jax.provenance import file_sha256
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +60,9 @@ def make_split(rows: list[dict]) -> dict:
   chosen = {}
   for subject, trials in by_subject.items():
     if subject != UNSEEN_SUBJECT:
+      if len(trials) < 2:
+        raise ValueError(f'subject {subject} has {len(trials)} trial ({trials[0]["file"]}): each '
+                         'subject but the unseen one needs two, a test and a val trial')
       test, val = random.Random(SEED + subject).sample([t['file'] for t in trials], 2)
       chosen[test], chosen[val] = ('test', 'unseen_file'), ('val', None)
   files = []
@@ -106,7 +110,10 @@ def counts_markdown(split: dict) -> str:
 def main(argv):
   del argv
   FLAGS = flags.FLAGS
-  split = make_split(read_manifest(Path(FLAGS.data)))
+  try:
+    split = make_split(read_manifest(Path(FLAGS.data)))
+  except (ValueError, OSError, KeyError) as e:
+    fail(f'{FLAGS.data}/MANIFEST.tsv lacks the column {e}' if isinstance(e, KeyError) else str(e))
   Path(FLAGS.output).write_text(json.dumps(split, indent=1) + '\n')
   Path(FLAGS.readme).write_text(counts_markdown(split))
   print(counts_markdown(split))

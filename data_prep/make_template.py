@@ -22,7 +22,10 @@ from absl import flags
 
 from data_prep import conversion
 from ik_gat_jax import skeleton
+from ik_gat_jax.absl_main import fail
+from ik_gat_jax.errors import ConversionError
 from ik_gat_jax.io import atomic
+from ik_gat_jax.io import bvh
 from ik_gat_jax.io import retarget
 
 # Rig name -> (joint names, parents): the topology is fixed in code, the template is data.
@@ -61,7 +64,10 @@ def rig_json_text(rig: skeleton.Rig) -> str:
 def main(argv):
   del argv
   FLAGS = flags.FLAGS
-  rig = make_template_rig(FLAGS.input, FLAGS.rig)
+  try:
+    rig = make_template_rig(FLAGS.input, FLAGS.rig)
+  except (ConversionError, bvh.BVHError, OSError) as e:
+    fail(str(e))
   path = Path(FLAGS.output or skeleton.RIG_DIR / f'{FLAGS.rig}.json')
   atomic.write_text(path, rig_json_text(rig))
   print(f'wrote {path} (fingerprint {rig.fingerprint()})')

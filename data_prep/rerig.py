@@ -300,9 +300,13 @@ def rerig_directory(input_dir: str | os.PathLike, output: str | os.PathLike,
     paths = sorted(input_dir.glob('*.bvh'))
     if not paths:
       raise RerigError(f'no .bvh files in {input_dir}')
-  output.mkdir(parents=True, exist_ok=True)
   first = bvh.read_bvh(paths[0])
   names, parents = first.names, first.parents
+  missing = [n for n in skeleton.cmu_body().joint_names if n not in names]
+  if missing:  # before a file is written (it wrote them all, then failed)
+    raise RerigError(f'{paths[0]}: not a CMU skeleton (re-rigging keeps cmu_body\'s joints): no '
+                     + ', '.join(missing[:4]) + (', ...' if len(missing) > 4 else ''))
+  output.mkdir(parents=True, exist_ok=True)
   binds = make_binds(names, parents, seed, bind)
   records = []
   for src in paths:

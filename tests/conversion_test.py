@@ -294,6 +294,20 @@ def test_split_file_hashes_match_the_data_and_the_rule(cmu_dir):
   assert make_split.make_split(rows) == split  # regenerating gives the committed file
   readme = (conversion.SPLIT_DIR / 'README.md').read_text()
   assert readme == make_split.counts_markdown(split)
+  with pytest.raises(ValueError, match='subject 05 has 1 trial .05_01.bvh.: each subject'):
+    make_split.make_split([r for r in rows if not r['file'].startswith('05_')
+                           or r['file'] == '05_01.bvh'])  # it was a traceback from sample()
+
+
+def test_rerig_refuses_a_skeleton_not_cmu_before_writing(tmp_path, cmu_dir):
+  from data_prep import rerig
+  m = bvh.read_bvh(cmu_dir / '07_01.bvh')
+  joints = [dataclasses.replace(j, name='Bip01 ' + j.name) for j in m.joints]
+  (tmp_path / 'in').mkdir()
+  bvh.write_bvh(tmp_path / 'in' / 'a.bvh', bvh.BVHMotion(joints, m.frame_time, m.motion[:3]))
+  with pytest.raises(rerig.RerigError, match=r'a.bvh: not a CMU skeleton .*: no Hips, '):
+    rerig.rerig_directory(tmp_path / 'in', tmp_path / 'out', units='cmu', log=quiet)
+  assert not (tmp_path / 'out').exists()  # it wrote every file, then failed
 
 
 # ----------------------------------------------------------------------------------------------
