@@ -546,10 +546,12 @@ def build_joint_map(rig: str, inputs: Sequence[Path], units: str | float | None 
                     up: str | None = None, forward: str | None = None,
                     prune: Sequence[str] = (), drop_first_frame: bool | None = None,
                     subject_regex: str | None = None, reference_pose: str | None = None,
-                    log: Log = log_stderr) -> retarget.JointMap:
+                    log: Log = log_stderr, derived: skeleton.Rig | None = None
+                    ) -> retarget.JointMap:
   """The joint map for `--rig` (name, JSON path, or 'auto' derived from `inputs`), with the
   command-line overrides applied. `units='auto'`: estimated from the first input's skeleton
-  (module docstring), logged."""
+  (module docstring), logged. `derived`: the rig an output folder derived before, whose
+  joints 'auto' keeps (new files are added to it, not derived anew)."""
   if isinstance(units, str) and units.strip().lower() == 'auto':
     if not inputs:
       raise ConversionError('--units=auto needs an input file')
@@ -572,7 +574,8 @@ def build_joint_map(rig: str, inputs: Sequence[Path], units: str | float | None 
       raise ConversionError('--rig=auto needs --units (metres per file unit: a number, one of '
                             f'{", ".join(UNITS)}, or auto){hint}')
     return retarget.derive_joint_map(inputs, scale, up or '+y', forward or '+z', tuple(prune),
-                                     bool(drop_first_frame), subject_regex, reference_pose)
+                                     bool(drop_first_frame), subject_regex, reference_pose,
+                                     None if derived is None else derived.joint_names)
   jmap = retarget.load_joint_map(rig)
   return jmap.with_overrides(units=scale, up=up, forward=forward,
                              drop_first_frame=drop_first_frame, subject_regex=subject_regex,
@@ -610,7 +613,8 @@ def convert(input_path: str | os.PathLike, rig: str, output: str | os.PathLike, 
   shards = load_output(output)
   inputs = find_bvh_files(input_path)
   jmap = build_joint_map(rig, [p for _, p in inputs], units, up, forward, prune,
-                         drop_first_frame, subject_regex, reference_pose, log)
+                         drop_first_frame, subject_regex, reference_pose, log,
+                         derived=shards.rig if rig == 'auto' else None)
   target = retarget.resolve_rig(jmap)
   check_output_matches(shards, output, fps, target)
   known = target or shards.rig

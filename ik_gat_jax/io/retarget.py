@@ -776,11 +776,13 @@ def check_reference(rig: skeleton.Rig, reference: np.ndarray | None, jmap: Joint
 def derive_joint_map(paths: Sequence[str | os.PathLike], units: float, up: str = '+y',
                      forward: str = '+z', prune: Sequence[str] = (),
                      drop_first_frame: bool = False, subject_regex: str | None = None,
-                     reference_pose: str | None = None) -> JointMap:
+                     reference_pose: str | None = None,
+                     joints: Sequence[str] | None = None) -> JointMap:
   """Keeps every joint except: pruned subtrees; motionless single-child roots (folded into the
   root below them); joints with children whose rotation is constant (within 1e-3 degrees of
   the first file's first frame) in every frame of every file (removed). End Sites are never
-  joints. Rig names = source names.
+  joints. Rig names = source names. `joints`: keep these instead (the rig a folder derived
+  before, added to now: a joint that happens to hold still in the new files is still one).
   """
   first, max_angle, still, start = None, None, None, None
   for path in paths:
@@ -808,6 +810,16 @@ def derive_joint_map(paths: Sequence[str | os.PathLike], units: float, up: str =
   unknown = [p for p in prune if p not in index]
   if unknown:
     raise ConversionError(f'--prune names joints the BVH does not have: {", ".join(unknown)}')
+  if joints is not None:
+    missing = [n for n in joints if n not in index]
+    if missing:
+      raise ConversionError(f'{first[2]}: lacks joints of the rig already derived in the output '
+                            f'({", ".join(missing[:4])}{", ..." if len(missing) > 4 else ""}); '
+                            'convert it into a new --output')
+    return JointMap(joints=tuple((n, n) for n in sorted(joints, key=index.get)), units=units,
+                    up=up, forward=forward, rig=None, prune=tuple(prune),
+                    drop_first_frame=drop_first_frame, subject_regex=subject_regex,
+                    reference_pose=reference_pose, name='auto')
   children = skeleton.children_of(parents)
   pruned = {j for p in prune for j in skeleton.depth_first_order(parents, index[p])}
   root = 0
