@@ -1747,10 +1747,12 @@ class IKSolver:
 
   def _filter_clip(self, out: dict[str, np.ndarray], pos: np.ndarray,
                    subject) -> dict[str, np.ndarray]:
-    """The temporal filter over a whole clip (fresh state); FK outputs from the filtered R."""
+    """The temporal filter over a whole clip (fresh state); FK outputs from the filtered R, the
+    root where `out` has it (a refinement's fitted root, not the input's)."""
     local = temporal.filter_clips(out['local_rot'], np.zeros(len(pos)), self.temporal_filter,
                                   self.fps)
-    return self._with_local(out, local, pos[:, 0], subject)
+    root = out['positions_fk'][:, 0] if 'positions_fk' in out else pos[:, 0]
+    return self._with_local(out, local, root, subject)
 
   def _with_local(self, out: dict[str, np.ndarray], local: np.ndarray, root: np.ndarray,
                   subject) -> dict[str, np.ndarray]:
