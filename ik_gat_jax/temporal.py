@@ -47,10 +47,15 @@ class FilterConfig:
     beta: cutoff increase per rad/s of filtered angular speed, Hz / (rad/s) (higher: less lag
       when fast).
     d_cutoff: cutoff of the angular-velocity estimate, Hz.
+
+  The defaults are the parameters chosen on val for noisy trackers (docs/benchmarks/
+  temporal.md), the ones the shipped checkpoints carry, so `FilterConfig(kind='one_euro')` is
+  the filter `--filter=one_euro` gives (it was the One-Euro paper's generic 1 Hz and 0.05, which
+  lag: worse than no filter at 10 mm of noise).
   """
   kind: str = 'none'
-  min_cutoff: float = 1.0
-  beta: float = 0.05
+  min_cutoff: float = 1.5
+  beta: float = 0.5
   d_cutoff: float = 1.0
 
   def __post_init__(self):

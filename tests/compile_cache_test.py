@@ -398,7 +398,7 @@ def test_solvers_of_a_process_share_their_executables(monkeypatch):
   # subject, also for a frame of another subject (`offsets=`, the subject an argument).
   one_euro, other = temporal.FilterConfig(kind='one_euro'), rig.template() * 1.02
   filtered = []
-  for config in (one_euro, one_euro, temporal.FilterConfig(kind='one_euro', beta=0.5)):
+  for config in (one_euro, one_euro, temporal.FilterConfig(kind='one_euro', beta=0.05)):
     f = solver_lib.IKSolver.from_checkpoint(block_size=4, temporal_filter=config)
     filtered.append((np.stack([f.step(x) for x in clip]), f.step(clip[0] * 1.02, offsets=other),
                      f.trace_count))

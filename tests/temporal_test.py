@@ -135,6 +135,12 @@ def test_filter_config_checks_and_meta():
   with pytest.raises(ValueError, match='min_cutoff'):
     temporal.FilterConfig('one_euro', min_cutoff=0.0)
   assert temporal.from_checkpoint_meta({'config': {}}) == temporal.FilterConfig()
+  # The API's one_euro is the command line's (the shipped checkpoint's parameters, chosen on
+  # val), not the One-Euro paper's generic 1 Hz / 0.05 (worse than none at 10 mm of noise).
+  from ik_gat_jax import inference
+  _, shipped = inference.load_model(inference.SHIPPED_IKGAT)
+  assert temporal.with_overrides(temporal.from_checkpoint_meta(shipped), 'one_euro') == (
+      temporal.FilterConfig(kind='one_euro'))
   meta = {'config': {'temporal': {'filter': 'one_euro', 'min_cutoff': 3, 'beta': 1.0,
                                   'd_cutoff': 1.0}}}
   cfg = temporal.from_checkpoint_meta(meta)
