@@ -80,18 +80,25 @@ def output_kind(path: str | Path) -> str:
   raise InputError(f'output {path}: unknown format; use .bvh, .npz, .smpl.npz, .glb or .fbx')
 
 
-def parse_frames(spec: str | None, num_frames: int, default: int) -> list[int]:
+def parse_frames(spec: str | None, num_frames: int | None, default: int) -> list[int]:
   """'0,10,20' or 'start:stop[:step]' -> frame indices; None: `default` evenly spaced frames
-  (a list spec) or the first `default` frames (a range spec is clipped to the clip)."""
+  (a list spec) or the first `default` frames (a range spec is clipped to the clip).
+  `num_frames` None: the spec's form only (its frames not known yet), [] returned."""
   if spec is None:
-    return sorted({int(round(x)) for x in np.linspace(0, num_frames - 1, min(default,
-                                                                            num_frames))})
+    return [] if num_frames is None else sorted(
+        {int(round(x)) for x in np.linspace(0, num_frames - 1, min(default, num_frames))})
   try:
     if ':' in spec:
-      parts = [int(p) if p else None for p in spec.split(':')]
-      frames = list(range(num_frames))[slice(*parts)]
+      parts = [int(p) if p.strip() else None for p in spec.split(':')]
+      if len(parts) > 3 or parts[2:] == [0]:
+        raise ValueError
+      if num_frames is None:
+        return []
+      frames = list(range(num_frames)[slice(*parts)])
     else:
       frames = [int(p) for p in spec.split(',') if p.strip()]
+      if num_frames is None:
+        return []
   except ValueError:
     raise InputError(f'frames must be like 0,10,20 or 0:60:2, got {spec!r}') from None
   bad = [t for t in frames if not 0 <= t < num_frames]
@@ -189,7 +196,11 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   if clip is not None and Path(clip).suffix and Path(clip).suffix.lower() != '.gif':
     raise InputError(f'--clip must be a .gif or a directory (of frame_NNNN.png files), got '
                      f'{clip}')
-  _check_distinct({'--output': output, '--smpl_npz': smpl_npz, '--plot': plot, '--clip': clip})
+  _check_distinct({'--output': output, '--smpl_npz': smpl_npz, '--plot': plot, '--clip': clip},
+                  {'--input': input, '--offsets_from': offsets_from})
+  for spec, given in ((plot_frames, plot), (clip_frames, clip)):
+    if spec is not None and given is not None:
+      parse_frames(spec, None, 0)  # its form, before the model loads; the range once read
   if not Path(input).is_file():
     raise FileNotFoundError(f'input {input} does not exist')
   load = functools.partial(
@@ -266,6 +277,10 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
       raise InputError(f'{problem} (--units={units} given)')
     solver_lib.check_plausibility(source.positions @ M.T, rig, source.bvh_units_m or 1.0,
                                   input_axes=M)
+  if plot is not None and plot_frames is not None:  # before solving, not after it
+    parse_frames(plot_frames, len(source.positions), 4)
+  if clip is not None and clip_frames is not None:
+    parse_frames(clip_frames, len(source.positions), 60)
   missing = ~np.isfinite(np.asarray(source.positions, np.float64)).all(axis=-1)  # [T, J]
   sol = solver.solve(source.positions, offsets=offsets, estimate_lengths=estimate_lengths,
                      fit_offsets=fit_offsets,
@@ -338,14 +353,20 @@ def _in_rig_axes(source: exports.PositionsFile, M: np.ndarray) -> exports.Positi
       reference=None if source.reference is None else frames(source.reference))
 
 
-def _check_distinct(paths: dict) -> None:
+def _check_distinct(paths: dict, inputs: dict | None = None) -> None:
   """Refuses two outputs (flag -> path or None) that name one file: the last written would
-  replace the other, unasked."""
+  replace the other, unasked; and an output naming one of the `inputs` (flag -> path or None):
+  it would replace the mocap it is solved from, --overwrite or not."""
+  read = {Path(p).absolute().resolve(): flag for flag, p in (inputs or {}).items()
+          if p is not None}
   seen = {}
   for flag, path in paths.items():
     if path is None:
       continue
     key = Path(path).absolute().resolve()
+    if key in read:
+      raise InputError(f'{flag} names the file {read[key]} reads ({path}): an output may not '
+                       'replace its input; give it its own name')
     if key in seen:
       raise InputError(f'{seen[key]} and {flag} name the same file {path}: give each its own')
     seen[key] = flag
@@ -437,6 +458,13 @@ def _write_main(kind, path, sol, rig, fps, bvh_out, smpl_world, solver, record: 
     exports.write_npz_atomic(path, exports.solution_arrays(sol, rig, fps, extra))
 
 
+def default_clip_frames(num_frames: int, fps: float) -> str:
+  """--clip's frames when none are given: 60 images about 1/30 s apart (every frame at 30
+  fps or less, every 4th at 120), which a GIF plays in real time (`plots.gif_frame_ms`)."""
+  step = max(1, int(round(fps / 30.0)))
+  return f'0:{min(num_frames, 60 * step)}:{step}'
+
+
 def _write_pictures(png, frames_out, sol, rig, fps, plot_frames, clip_frames) -> None:
   if png is None and frames_out is None:
     return
@@ -445,7 +473,7 @@ def _write_pictures(png, frames_out, sol, rig, fps, plot_frames, clip_frames) ->
     plots.plot_solve_frames(png, sol.positions, sol.positions_fk, rig,
                             parse_frames(plot_frames, T, 4), sol.bone_aligned_rot)
   if frames_out is not None:
-    frames = parse_frames(clip_frames or f'0:{min(T, 60)}', T, 60)
+    frames = parse_frames(clip_frames or default_clip_frames(T, fps), T, 60)
     plots.save_solve_clip(frames_out, sol.positions, sol.positions_fk, rig, frames,
                           sol.bone_aligned_rot, fps)
 
@@ -489,7 +517,8 @@ def define_flags() -> None:
   s('plot', None, 'PNG of input joints vs solved skeleton for --plot_frames.')
   s('plot_frames', None, 'Frames for --plot, e.g. 0,10,20 (default: 4 evenly spaced).')
   s('clip', None, 'Short clip: .gif, or a directory of frame_NNNN.png.')
-  s('clip_frames', None, 'Frames for --clip as start:stop[:step] (default 0:60).')
+  s('clip_frames', None, 'Frames for --clip as start:stop[:step] (default: 60 images 1/30 s '
+    'apart, 0:60 at 30 fps).')
   s('smpl_npz', None, 'Also write SMPL pose parameters [T, 66] here (smpl22 rig).')
   flags.DEFINE_enum('smpl_world', 'rig', ['rig', 'amass'], 'World of the SMPL root orientation '
                     'and trans: the rig\'s y-up (SMPL model frame) or AMASS\'s z-up.')

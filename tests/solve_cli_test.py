@@ -16,6 +16,7 @@ import pytest
 from scipy.spatial.transform import Rotation
 
 from ik_gat_jax import cli
+from ik_gat_jax import plots
 from ik_gat_jax import skeleton
 from ik_gat_jax import solve
 from ik_gat_jax.io import bvh
@@ -141,9 +142,17 @@ def test_overwrite_and_atomicity(ckpt, clip_npz, tmp_path):
   with pytest.raises(InputError, match=r'frame 4, joint 2 \(Spine\)'):
     solve.solve_file(tmp_path / 'bad.npz', out, checkpoint=ckpt, overwrite=True, log=_quiet)
   assert out.read_bytes() == b'old'  # a failing solve leaves the old output as it was
-  with pytest.raises(ValueError, match='outside the clip'):  # fails after solving, mid-write
+  # A frame past the clip is refused once the input is read, before solving (it was after,
+  # throwing the solved output away with the picture); a spec of no form before the model loads.
+  solved = []
+  with pytest.raises(InputError, match=r'frames \[99\] outside the clip \(0..5\)'):
     solve.solve_file(path, tmp_path / 'new.bvh', checkpoint=ckpt, plot=str(tmp_path / 'p.png'),
-                     plot_frames='0,99', log=_quiet)
+                     plot_frames='0,99', log=solved.append)
+  assert not any('solved' in m for m in solved), solved
+  for spec in ('abc', '0:10:0', '1:2:3:4'):
+    with pytest.raises(InputError, match='frames must be like 0,10,20 or 0:60:2'):
+      solve.solve_file(path, tmp_path / 'new.bvh', checkpoint='/nonexistent', clip_frames=spec,
+                       clip=str(tmp_path / 'c.gif'), log=_quiet)
   assert not (tmp_path / 'new.bvh').exists() and not (tmp_path / 'p.png').exists()
   solve.solve_file(path, out, checkpoint=ckpt, overwrite=True, log=_quiet)
   with np.load(out) as z:
@@ -162,6 +171,15 @@ def test_outputs_that_collide_or_a_clip_that_is_no_gif_are_refused_before_solvin
   with pytest.raises(InputError, match=r'--plot and --clip name the same file'):
     solve.solve_file(path, out, checkpoint=ckpt, plot=str(tmp_path / 'a.gif'),
                      clip=str(tmp_path / '.' / 'a.gif'), log=_quiet)
+  # An output naming the input (a batch loop's --output=${f%.bvh}.bvh, with --overwrite):
+  # refused, not solved over the mocap it reads.
+  with pytest.raises(InputError, match=r'^--output names the file --input reads .*: an output '
+                     'may not replace its input; give it its own name$'):
+    solve.solve_file(path, path.parent / '.' / path.name, checkpoint=ckpt, overwrite=True,
+                     log=_quiet)
+  with pytest.raises(InputError, match=r'^--plot names the file --offsets_from reads'):
+    solve.solve_file(path, out, checkpoint=ckpt, offsets_from=str(tmp_path / 'o.bvh'),
+                     plot=str(tmp_path / 'o.bvh'), log=_quiet)
   with pytest.raises(InputError, match=r'--clip must be a .gif or a directory .* got .*x.mp4'):
     solve.solve_file(path, out, checkpoint=ckpt, clip=str(tmp_path / 'x.mp4'), log=_quiet)
   assert sorted(q.name for q in tmp_path.iterdir()) == []
@@ -209,7 +227,14 @@ def test_plot_and_clips(ckpt, clip_npz, tmp_path):
   assert (tmp_path / 'cmp.png').read_bytes()[:4] == b'\x89PNG'
   from PIL import Image
   with Image.open(tmp_path / 'clip.gif') as im:
-    assert im.n_frames == 3
+    assert im.n_frames == 3 and im.info['duration'] == plots.gif_frame_ms([0, 1, 2], 30.0)
+  # Each image shown for the time its frames span, in GIF's 10 ms units, at least 20 ms (a 0
+  # or 10 ms delay plays as 100 ms in browsers): it was 1000 / fps, truncated, whatever the step.
+  assert [plots.gif_frame_ms(f, fps) for f, fps in (
+      ([0, 1, 2], 30.0), ([0, 3, 6], 30.0), ([0, 1], 120.0), ([0, 4, 8], 120.0), ([5], 24.0))
+  ] == [30, 100, 20, 30, 40]
+  assert solve.default_clip_frames(1000, 120.0) == '0:240:4'
+  assert solve.default_clip_frames(10, 30.0) == '0:10:1'
   solve.solve_file(path, tmp_path / 'o2.npz', checkpoint=ckpt, clip=str(tmp_path / 'frames'),
                    clip_frames='0:4:2', log=_quiet)
   assert sorted(p.name for p in (tmp_path / 'frames').iterdir()) == ['frame_0000.png',
