@@ -146,6 +146,19 @@ def _render_frame(inp, sol, Q, rig, centre, half, label: str, axis_len: float) -
   return image
 
 
+# Browsers show a GIF delay under 20 ms (0 or 1 centisecond) as 100 ms.
+GIF_MIN_FRAME_MS = 20
+
+
+def gif_frame_ms(frames, fps: float) -> int:
+  """How long a GIF shows each image of `frames` (indices at `fps`): the time its frames span
+  (their step / fps), in GIF's 10 ms units, nearest, and at least `GIF_MIN_FRAME_MS` (a 120
+  fps clip shown frame by frame plays slower than real time; a step of 4 plays it true)."""
+  frames = np.asarray(frames)
+  step = float(np.median(np.diff(frames))) if len(frames) > 1 else 1.0
+  return max(GIF_MIN_FRAME_MS, int(round(100 * step / fps)) * 10)
+
+
 def save_solve_clip(path: str | os.PathLike, input_positions: np.ndarray,
                     solved_positions: np.ndarray, rig: Rig, frames,
                     bone_aligned_rot: np.ndarray | None = None, fps: float = 30.0,
@@ -167,7 +180,8 @@ def save_solve_clip(path: str | os.PathLike, input_positions: np.ndarray,
   if path.suffix.lower() == '.gif':
     pics = [Image.fromarray(im) for im in images]
     with atomic.atomic_path(path, '.gif') as tmp:
-      pics[0].save(tmp, save_all=True, append_images=pics[1:], duration=int(1000 / fps), loop=0)
+      pics[0].save(tmp, save_all=True, append_images=pics[1:], duration=gif_frame_ms(frames, fps),
+                   loop=0)
     return
   path.mkdir(parents=True, exist_ok=True)
   if any(path.iterdir()):
@@ -324,7 +338,6 @@ def save_error_bodies_clip(path: str | os.PathLike, offsets: np.ndarray, rig: Ri
     fig.canvas.draw()
     images.append(Image.fromarray(np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()))
     plt.close(fig)
-  step = np.median(np.diff(frames)) if len(frames) > 1 else 1
   with atomic.atomic_path(path, '.gif') as tmp:
     images[0].save(tmp, save_all=True, append_images=images[1:], loop=0,
-                   duration=int(1000 * step / fps))
+                   duration=gif_frame_ms(frames, fps))
