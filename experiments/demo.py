@@ -173,7 +173,7 @@ def main(argv):
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f'{stem}_ikgat.{ext}' for ext in ('bvh', 'glb')]
     for path in paths:
-      solve.solve_file(solve_input, path, overwrite=True,
+      solve.solve_file(solve_input, path, overwrite=True, bvh_units='cm',  # as said below
                        offsets_from=str(src) if src.exists() else None, log=lambda m: None)
     write_pictures(out, stem, ds, posed_bodies(ds, rows, methods))  # ds lives in tmp
   print(f"\nwrote {paths[0]} (IK-GAT solution, cm), {paths[1]} (the same as glTF with the box "

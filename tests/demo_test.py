@@ -31,6 +31,10 @@ def test_demo_on_a_clip_of_any_name(cmu_dir, tmp_path):
                    'my walk_ikgat.glb'], names
   solved = bvh.read_bvh(out / 'my walk_ikgat.bvh')
   assert solved.num_frames == 80 and round(solved.fps) == 120  # the file's own rate
+  # In centimetres, as the demo says (it wrote CMU's units, 0.056 m: a body 5.6x too small
+  # imported as cm): the hips 0.8-1.1 m above the feet of a standing adult.
+  hips = solved.position_channels(0)[:, 1].mean()
+  assert 80 < hips < 110, hips
   assert (out / 'my walk_ikgat.glb').read_bytes()[:4] == b'glTF'
 
 
