@@ -525,7 +525,9 @@ def define_flags() -> None:
   flags.DEFINE_enum('joint_names', 'input', list(exports.JOINT_NAMES), 'How a .bvh, .glb or '
                     '.fbx output names the joints: input (as the input named them, where it '
                     'did: its namespace, Anna:Hips, and a joint map\'s source names, so a tool '
-                    'that binds animation to bones by name finds them) or rig (the rig\'s).')
+                    'that binds animation to bones by name finds them) or rig (the rig\'s; '
+                    'for three.js\'s BVHLoader, which binds no name with a colon, and Assimp, '
+                    'which reads no BVH name with a space).')
   s('bvh_units', None, 'Units of an output BVH: cm, m, mm, inch, ... or metres per file unit '
     '(default: a BVH input\'s own units, else cm). Its rotation channels follow a BVH input\'s '
     'order per joint (ZYX otherwise).')

@@ -180,6 +180,11 @@ def test_outputs_that_collide_or_a_clip_that_is_no_gif_are_refused_before_solvin
   with pytest.raises(InputError, match=r'^--plot names the file --offsets_from reads'):
     solve.solve_file(path, out, checkpoint=ckpt, offsets_from=str(tmp_path / 'o.bvh'),
                      plot=str(tmp_path / 'o.bvh'), log=_quiet)
+  with pytest.raises(NotADirectoryError, match=r'same.npz is a file, not a directory to write '
+                     r'x.glb in$'):  # it said the directory did not exist
+    (tmp_path / 'same.npz').write_bytes(b'')
+    solve.solve_file(path, tmp_path / 'same.npz' / 'x.glb', checkpoint=ckpt, log=_quiet)
+  (tmp_path / 'same.npz').unlink()
   with pytest.raises(InputError, match=r'--clip must be a .gif or a directory .* got .*x.mp4'):
     solve.solve_file(path, out, checkpoint=ckpt, clip=str(tmp_path / 'x.mp4'), log=_quiet)
   assert sorted(q.name for q in tmp_path.iterdir()) == []

@@ -42,7 +42,8 @@ refused unless `overwrite`):
   `units.UNITS` name: 'cm', the default, 'm', 'inch', ...). `solve` passes a BVH input's own
   orders and units (`PositionsFile.bvh_orders`, `bvh_units_m`), and its End Sites where the
   output stands on its offsets (`PositionsFile.end_site_offsets`). Blender: File > Import >
-  BVH with Scale = metres per unit (0.01 for centimetres), forward Z, up Y.
+  BVH with Scale = metres per unit (0.01 for centimetres), forward -Z, up Y (its defaults: the
+  body then stands where the GLB's does; forward Z turns it 180 degrees).
 - SMPL npz (rig `smpl22` only): the fields of `io.smpl.smpl_arrays` (that module's docstring):
   `poses [T, 66]` axis-angle of the 22 local rotations (root orientation first), `trans`, ...;
   in the rig's y-up world (the SMPL model's frame) by default, or AMASS's with `world='amass'`.
@@ -109,8 +110,12 @@ def check_output(path: str | os.PathLike, overwrite: bool) -> Path:
   if path.exists() and not overwrite:
     raise FileExistsError(f'{path} exists; pass --overwrite to replace it')
   parent = path.absolute().parent
+  if parent.exists() and not parent.is_dir():
+    raise NotADirectoryError(f'{parent} is a file, not a directory to write {path.name} in')
   if not parent.is_dir():
     raise FileNotFoundError(f'output directory {parent} does not exist')
+  if not os.access(parent, os.W_OK):  # read-only or not ours: said now, not after solving
+    raise PermissionError(f'output directory {parent} is not writable')
   return path
 
 
