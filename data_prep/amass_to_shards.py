@@ -40,7 +40,7 @@ from absl import flags  # noqa: E402
 
 from data_prep import amass  # noqa: E402
 from data_prep import conversion  # noqa: E402
-from ik_gat_jax.absl_main import fail, terminate_as_interrupt  # noqa: E402
+from ik_gat_jax.absl_main import fail, run_main, terminate_as_interrupt  # noqa: E402
 from ik_gat_jax.errors import ConversionError  # noqa: E402
 
 _INPUT = flags.DEFINE_string('input', None, 'AMASS root, a sub-dataset/subject directory, or '
@@ -91,4 +91,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  run_main(main)

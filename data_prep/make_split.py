@@ -25,11 +25,10 @@ import json
 import random
 from pathlib import Path
 
-from absl import app
 from absl import flags
 
 from data_prep import conversion
-from ik_gat_jax.absl_main import fail
+from ik_gat_jax.absl_main import fail, run_main
 from ik_gat_jax.provenance import file_sha256
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,4 +125,4 @@ if __name__ == '__main__':
   flags.DEFINE_string('output', str(conversion.SPLIT_DIR / f'{NAME}.json'), 'Split JSON to write.')
   flags.DEFINE_string('readme', str(conversion.SPLIT_DIR / 'README.md'),
                       'Markdown file with the frame counts.')
-  app.run(main)
+  run_main(main)

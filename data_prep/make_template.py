@@ -17,12 +17,11 @@ import os
 from pathlib import Path
 
 import numpy as np
-from absl import app
 from absl import flags
 
 from data_prep import conversion
 from ik_gat_jax import skeleton
-from ik_gat_jax.absl_main import fail
+from ik_gat_jax.absl_main import fail, run_main
 from ik_gat_jax.errors import ConversionError
 from ik_gat_jax.io import atomic
 from ik_gat_jax.io import bvh
@@ -79,4 +78,4 @@ if __name__ == '__main__':
   flags.DEFINE_string('input', str(Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'cmu'),
                       "Directory of the rig's BVH files.")
   flags.DEFINE_string('output', None, 'Rig JSON to write (default: the built-in one).')
-  app.run(main)
+  run_main(main)

@@ -72,7 +72,7 @@ from absl import flags  # noqa: E402
 from scipy.spatial.transform import Rotation  # noqa: E402
 
 from ik_gat_jax import skeleton  # noqa: E402
-from ik_gat_jax.absl_main import fail  # noqa: E402
+from ik_gat_jax.absl_main import fail, run_main  # noqa: E402
 from ik_gat_jax.io import atomic  # noqa: E402
 from ik_gat_jax.io import bvh  # noqa: E402
 from ik_gat_jax.io import retarget  # noqa: E402
@@ -367,4 +367,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  run_main(main)

@@ -12,8 +12,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
+from experiments.common import run_main
 from ik_gat_jax import kinematics, rotations, skeleton
 
 def depth_groups(parents: Sequence[int]) -> tuple[tuple[int, ...], ...]:
@@ -88,4 +89,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  run_main(main)

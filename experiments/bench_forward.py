@@ -39,12 +39,12 @@ import concurrent.futures
 import dataclasses
 import time
 
-from absl import app, flags
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import fail_on_user_error, pinning_initializer
+from experiments.common import fail_on_user_error, pinning_initializer, run_main
 from experiments import benchmark_suite
 from flax import nnx
 
@@ -259,4 +259,4 @@ def line(b: int, ms: np.ndarray, flops: float, rate: float | None,
 
 
 if __name__ == '__main__':
-  app.run(main)
+  run_main(main)

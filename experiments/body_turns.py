@@ -20,12 +20,12 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 from scipy.spatial.transform import Rotation
 
 from experiments import common
 from experiments.common import (checkpoint_noise_main, define_checkpoint_noise_flags,
-                                fail_on_user_error)
+                                fail_on_user_error, run_main)
 from ik_gat_jax import evaluation, input_pipeline, metrics, model
 from ik_gat_jax.solver import IKSolver
 
@@ -121,4 +121,4 @@ def main(argv):
 if __name__ == '__main__':
   define_flags()
   flags.mark_flags_as_required(['data'])
-  app.run(main)
+  run_main(main)

@@ -8,10 +8,10 @@ template's over all joints (and which joint), and writes `rest_<subject>.png` pe
 
 from pathlib import Path
 
-from absl import app, flags
+from absl import flags
 import numpy as np
 
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax import bone_frames, data, plots
 from ik_gat_jax.io import atomic
 
@@ -71,4 +71,4 @@ if __name__ == '__main__':
   # Marked here, not at import: importing a main (tests do) must not make its flags
   # required for every other absl program in the same process.
   flags.mark_flags_as_required(['data'])
-  app.run(main)
+  run_main(main)

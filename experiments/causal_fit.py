@@ -23,9 +23,9 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax import data, evaluation, windows
 from ik_gat_jax.io import atomic
 
@@ -125,4 +125,4 @@ def main(argv):
 if __name__ == '__main__':
   define_flags()
   flags.mark_flags_as_required(['data'])
-  app.run(main)
+  run_main(main)

@@ -18,13 +18,13 @@
 from pathlib import Path
 import tempfile
 
-from absl import app, flags
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from data_prep import conversion
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax import (bone_frames, checkpointing, data, evaluation, inference, input_pipeline,
                         iterative_ik, kinematics, plots, prior_task, rotations, skeleton, solve)
 from ik_gat_jax import solver as solver_lib
@@ -192,4 +192,4 @@ def write_pictures(out: Path, stem: str, ds, bodies: list) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  run_main(main)

@@ -88,13 +88,14 @@ import time
 import traceback
 from typing import Any, Callable
 
-from absl import app, flags
+from absl import flags
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments.benchmark_suite import matmul_gflops
+from experiments.common import run_main
 from experiments.configs import default as default_config
 from ik_gat_jax import bone_frames, compile_cache, evaluation, gat, inference, kinematics
 from ik_gat_jax import model as model_lib
@@ -783,4 +784,4 @@ def main(argv) -> None:
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  run_main(main)

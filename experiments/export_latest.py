@@ -7,9 +7,9 @@ A run trained with `train.ema_decay` validates and saves the parameters' moving 
 be evaluated side by side (`experiments.evaluate --checkpoint=runs/X_raw`).
 """
 
-from absl import app, flags
+from absl import flags
 
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax import train
 
 _RUN = flags.DEFINE_string('run', None, 'Run directory (its checkpoints/latest is read).')
@@ -26,4 +26,4 @@ def main(argv):
 
 if __name__ == '__main__':
   flags.mark_flags_as_required(['run', 'output'])
-  app.run(main)
+  run_main(main)

@@ -21,10 +21,10 @@ import re
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
 import numpy as np
 
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, run_main
 
 _TRACE_FLAG = '--xla_cpu_enable_xprof_traceme=true'
 _CKPT = flags.DEFINE_string('checkpoint', None, 'IK-GAT run or checkpoint (default: shipped).')
@@ -147,4 +147,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  run_main(main)

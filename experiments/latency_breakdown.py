@@ -28,7 +28,6 @@ the floor it implies for the network (FLOPs / that rate). XLA flags (e.g. `XLA_F
 """
 
 import collections
-import json
 import os
 import re
 import time
@@ -37,10 +36,10 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from scipy.spatial.transform import Rotation
 
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax import data, inference, provenance
 from ik_gat_jax.io import atomic
 from ik_gat_jax.skeleton import rest_positions_np
@@ -182,4 +181,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  run_main(main)

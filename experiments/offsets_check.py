@@ -18,11 +18,11 @@ joints).
 from __future__ import annotations
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments import common
 from experiments.common import (checkpoint_noise_main, define_checkpoint_noise_flags,
-                                fail_on_user_error)
+                                fail_on_user_error, run_main)
 from ik_gat_jax import evaluation, input_pipeline, metrics
 from ik_gat_jax.solver import IKSolver
 
@@ -90,4 +90,4 @@ def main(argv):
 if __name__ == '__main__':
   define_flags()
   flags.mark_flags_as_required(['data'])
-  app.run(main)
+  run_main(main)

@@ -23,10 +23,10 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 import numpy as np
 
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax.evaluation import markdown_grid
 from ik_gat_jax.io import atomic
 
@@ -155,4 +155,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  run_main(main)

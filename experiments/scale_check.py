@@ -35,6 +35,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from experiments.common import run_main
 from experiments.configs import test as test_config
 from ik_gat_jax import checkpointing, data, inference
 from ik_gat_jax import input_pipeline as ip
@@ -266,4 +267,4 @@ if __name__ == '__main__':
   # Marked here, not at import: importing a main (tests do) must not make its flags
   # required for every other absl program in the same process.
   flags.mark_flags_as_required(['data'])
-  app.run(main)
+  run_main(main)

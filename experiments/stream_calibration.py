@@ -17,11 +17,11 @@ while its calibration has seen few frames. `--subject` keeps one subject's files
 from __future__ import annotations
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from experiments import common
 from experiments.common import (define_checkpoint_noise_flags, fail_on_user_error,
-                                noise_levels, write_noise_results)
+                                noise_levels, run_main, write_noise_results)
 from ik_gat_jax import data, evaluation, input_pipeline, metrics
 from ik_gat_jax import subject_calibration as sc
 from ik_gat_jax.solver import IKSolver
@@ -125,4 +125,4 @@ def main(argv):
 if __name__ == '__main__':
   define_flags()
   flags.mark_flags_as_required(['data'])
-  app.run(main)
+  run_main(main)

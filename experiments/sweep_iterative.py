@@ -11,9 +11,9 @@ it) of val local-rotation error and MPJPE per setting, best first.
 
 from pathlib import Path
 
-from absl import app, flags
+from absl import flags
 
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax import data, evaluation, iterative_ik
 from ik_gat_jax.io import atomic
 
@@ -61,4 +61,4 @@ if __name__ == '__main__':
   # Marked here, not at import: importing a main (tests do) must not make its flags
   # required for every other absl program in the same process.
   flags.mark_flags_as_required(['data'])
-  app.run(main)
+  run_main(main)

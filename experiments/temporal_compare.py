@@ -24,9 +24,9 @@ import os
 from pathlib import Path
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax import data, evaluation, inference, iterative_ik, provenance, temporal
 from ik_gat_jax.io import atomic
 from ik_gat_jax.solver import IKSolver
@@ -160,4 +160,4 @@ def main(argv):
 
 if __name__ == '__main__':
   flags.mark_flags_as_required(['data', 'output_dir'])
-  app.run(main)
+  run_main(main)

@@ -17,9 +17,9 @@ import json
 import os
 import time
 
-from absl import app, flags
+from absl import flags
 
-from experiments.common import fail_on_user_error
+from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax import inference
 
 _CLIP = flags.DEFINE_string('clip', None, 'A clip (BVH, or npz / csv in metres).', required=True)
@@ -99,4 +99,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  run_main(main)
