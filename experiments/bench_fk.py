@@ -17,6 +17,7 @@ from absl import flags
 from experiments.common import run_main
 from ik_gat_jax import kinematics, rotations, skeleton
 
+
 def depth_groups(parents: Sequence[int]) -> tuple[tuple[int, ...], ...]:
   """Joints grouped by tree depth (root first): the per-depth FK's schedule."""
   depth = []

@@ -17,6 +17,7 @@ with the defaults (six small trainings of ~4 min, two priors, the evaluations).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 import subprocess
@@ -26,16 +27,11 @@ import time
 from absl import flags
 import numpy as np
 
-from experiments.common import fail_on_user_error, run_main
+from experiments.common import exit_interrupted, fail_on_user_error, run_main
+from ik_gat_jax import train
+from ik_gat_jax.absl_main import fail
 from ik_gat_jax.evaluation import markdown_grid
 from ik_gat_jax.io import atomic
-
-_CMU = flags.DEFINE_string('cmu', '../shared/data/cmu', 'The CMU BVH directory.')
-_ROOT = flags.DEFINE_string('root', 'runs/rerig_check', 'Where every output goes.')
-_SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'IK-GAT training seeds.')
-_STEPS = flags.DEFINE_integer('steps', 2000, 'IK-GAT training steps (small size).')
-_PRIOR_STEPS = flags.DEFINE_integer('prior_steps', 1500, 'Pose-prior training steps.')
-_MODE = flags.DEFINE_enum('mode', 'run', ['run', 'report'], 'Run the queue, or only report.')
 
 DATASETS = ('cmu', 'rerig')
 FLOORS = ('swing', 'mean_pose')
@@ -62,7 +58,9 @@ def stages(root: Path, cmu: str, seeds: list[int], steps: int, prior_steps: int)
     data = root / f'shards_{d}'
     for s in seeds:
       run = root / f'ikgat_{d}_s{s}'
-      out.append((f'train_{d}_s{s}', run / 'checkpoints' / 'best',
+      # Done when the run finished at --steps (train.finished_run), not when `best` exists:
+      # the trainer makes that folder at step 0, so a stopped training counted as done.
+      out.append((f'train_{d}_s{s}', functools.partial(_trained, run, steps),
                   _py('experiments.train', f'--data={data}', f'--workdir={run}', '--size=small',
                       f'--steps={steps}', f'--config.seed={s}',
                       '--config.train.eval_every=1000')))
@@ -83,10 +81,20 @@ def stages(root: Path, cmu: str, seeds: list[int], steps: int, prior_steps: int)
   return out
 
 
+class StageError(RuntimeError):
+  """A stage's command failed (its log named)."""
+
+
+def _trained(run: Path, steps: int) -> bool:
+  return train.finished_run(run, steps) is not None
+
+
 def run_queue(root: Path, queue) -> None:
+  """Runs each stage `(name, done, command)` whose `done` (a path that exists, or a callable
+  saying so) is not yet; a failed stage raises StageError naming its log."""
   (root / 'eval').mkdir(parents=True, exist_ok=True)
   for i, (name, done, cmd) in enumerate(queue, 1):
-    if done.exists():
+    if done() if callable(done) else done.exists():
       print(f'[{i}/{len(queue)}] {name}: done, skipped', flush=True)
       continue
     print(f'[{i}/{len(queue)}] {name}: {" ".join(cmd[1:])}', flush=True)
@@ -94,7 +102,7 @@ def run_queue(root: Path, queue) -> None:
     with open(root / f'{name}.log', 'w') as log:
       rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
     if rc != 0:
-      raise RuntimeError(f'{name} failed (exit {rc}); see {root / f"{name}.log"}')
+      raise StageError(f'{name} failed (exit {rc}); see {root / f"{name}.log"}')
     print(f'  -> done in {time.time() - t:.0f} s', flush=True)
 
 
@@ -141,18 +149,34 @@ def report(root: Path, seeds: list[int]) -> dict:
   return result
 
 
+def define_flags() -> None:
+  """The flags, defined when the main runs (not at import: a test imports `run_queue`)."""
+  flags.DEFINE_string('cmu', '../shared/data/cmu', 'The CMU BVH directory.')
+  flags.DEFINE_string('root', 'runs/rerig_check', 'Where every output goes.')
+  flags.DEFINE_list('seeds', ['0', '1', '2'], 'IK-GAT training seeds.')
+  flags.DEFINE_integer('steps', 2000, 'IK-GAT training steps (small size).')
+  flags.DEFINE_integer('prior_steps', 1500, 'Pose-prior training steps.')
+  flags.DEFINE_enum('mode', 'run', ['run', 'report'], 'Run the queue, or only report.')
+
+
 @fail_on_user_error
 def main(argv):
   del argv
-  root = Path(_ROOT.value)
-  seeds = [int(s) for s in _SEEDS.value]
-  if _MODE.value == 'run':
-    if not (Path(_CMU.value) / '07_01.bvh').exists():
-      raise FileNotFoundError(f'no CMU BVH files in {_CMU.value}')
+  F = flags.FLAGS
+  root = Path(F.root)
+  seeds = [int(s) for s in F.seeds]
+  if F.mode == 'run':
+    if not (Path(F.cmu) / '07_01.bvh').exists():
+      raise FileNotFoundError(f'no CMU BVH files in {F.cmu}')
     root.mkdir(parents=True, exist_ok=True)
-    run_queue(root, stages(root, _CMU.value, seeds, _STEPS.value, _PRIOR_STEPS.value))
+    try:
+      run_queue(root, stages(root, F.cmu, seeds, F.steps, F.prior_steps))
+    except StageError as e:
+      fail(str(e))
+    except KeyboardInterrupt:
+      exit_interrupted()
   report(root, seeds)
 
 
 if __name__ == '__main__':
-  run_main(main)
+  run_main(main, define_flags)

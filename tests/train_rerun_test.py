@@ -3,6 +3,7 @@ to, another config or other data is refused without a trace, a config that canno
 missing inputs are refused before anything is written, run.json is strict JSON, and the mains
 run from any working directory."""
 
+import functools
 import hashlib
 import json
 import os
@@ -43,6 +44,28 @@ def _strict_json(text: str):
 def finished(tiny_ikgat_run, tmp_path):
   """A copy of the session's tiny run, finished at step 20 (make_tiny_config's)."""
   return Path(shutil.copytree(tiny_ikgat_run, tmp_path / 'run'))
+
+
+def test_rerig_check_counts_a_training_done_only_when_finished(finished, tmp_path):
+  """experiments.rerig_check's queue: a training stage is done when its run finished at the
+  steps asked (it was when `checkpoints/best` existed, a folder the trainer makes at step 0: a
+  stopped training was skipped, and a half-trained model evaluated); a failed stage is one
+  StageError naming its log (a RuntimeError traceback)."""
+  from experiments import rerig_check
+  steps = json.loads((finished / 'run.json').read_text())['step']
+  assert rerig_check._trained(finished, steps) and not rerig_check._trained(finished, steps + 1)
+  started = tmp_path / 'started'
+  (started / 'checkpoints' / 'best').mkdir(parents=True)
+  assert not rerig_check._trained(started, steps)
+  ran = tmp_path / 'ran.txt'
+  queue = [('skipped', functools.partial(rerig_check._trained, finished, steps),
+            [sys.executable, '-c', 'raise SystemExit(9)']),
+           ('train', functools.partial(rerig_check._trained, started, steps),
+            [sys.executable, '-c', f'open({str(ran)!r}, "w").write("x")']),
+           ('fails', tmp_path / 'nothing.json', [sys.executable, '-c', 'raise SystemExit(3)'])]
+  with pytest.raises(rerig_check.StageError, match=r'^fails failed \(exit 3\); see .*fails.log$'):
+    rerig_check.run_queue(tmp_path, queue)
+  assert ran.read_text() == 'x' and not (tmp_path / 'skipped.log').exists()
 
 
 def test_rerun_of_a_finished_run_changes_nothing(cmu_shards, tiny_config, finished):
