@@ -164,6 +164,24 @@ def _check_method_flags() -> None:
   if _PRIOR.value is not None and method not in ('ikgat', 'iterative'):
     raise ValueError(f'--prior applies to --method=iterative (and ikgat\'s refinement) only, '
                      f'not {method}')
+  given = lambda names: [f'--{n}' for n in names if flags.FLAGS[n].present]  # noqa: E731
+  iterative = method in ('iterative', 'iterative_noprior')
+  solver_flags = given(('iters', 'warm_iters', 'window', 'lr', 'w_z', 'init_root', 'optimizer',
+                        'warm_start'))
+  if solver_flags and not iterative:
+    raise ValueError(f'{", ".join(solver_flags)} set the iterative solver: they apply to '
+                     f'--method=iterative|iterative_noprior only, not {method}')
+  windowed = given(('warm_iters', 'window'))
+  if windowed and not _WARM.value:
+    raise ValueError(f'{", ".join(windowed)} set the warm start: give --warm_start too')
+  refinement = given(('refine_lr', 'w_anchor', 'anchor_relative', 'refine_prior', 'w_prior'))
+  if refinement and _REFINE.value <= 0:
+    raise ValueError(f'{", ".join(refinement)} set the refinement: give --refine_iters > 0 too')
+  if _PRIOR.value is not None and method == 'ikgat' and _REFINE.value <= 0:
+    raise ValueError('--prior serves ikgat\'s refinement: give --refine_iters > 0 too')
+  if _FIT_TRANSLATION.value is not None and not (iterative or _REFINE.value > 0):
+    raise ValueError('--fit_translation applies to the iterative solvers and the refinement '
+                     '(--refine_iters > 0)')
 
 
 def _mirror() -> bool:
@@ -173,10 +191,17 @@ def _mirror() -> bool:
 
 
 def temporal_filter(method_info: dict):
-  """The method's default filter (an ikgat checkpoint's `temporal` config) under the flags."""
+  """The method's default filter (an ikgat checkpoint's `temporal` config) under the flags; a
+  filter parameter for no filter is refused (it did nothing)."""
   base = temporal.FilterConfig(**method_info.get('temporal', {}))
-  return temporal.with_overrides(base, _FILTER.value, _FILTER_MIN_CUTOFF.value,
-                                 _FILTER_BETA.value, _FILTER_D_CUTOFF.value)
+  config = temporal.with_overrides(base, _FILTER.value, _FILTER_MIN_CUTOFF.value,
+                                   _FILTER_BETA.value, _FILTER_D_CUTOFF.value)
+  params = [f'--{n}' for n in ('filter_min_cutoff', 'filter_beta', 'filter_d_cutoff')
+            if flags.FLAGS[n].present]
+  if params and not config.active:
+    raise ValueError(f'{", ".join(params)} set the One-Euro filter, and there is none (the '
+                     'checkpoint\'s is none): give --filter=one_euro too')
+  return config
 
 
 @fail_on_user_error

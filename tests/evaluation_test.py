@@ -238,3 +238,37 @@ def test_cli_refuses_negative_noise_refinement_and_dropout():
   p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
   assert p.stdout.split('\n')[:3] == ['refused noise_mm', 'refused refine_iters',
                                        'refused joint_dropout'], p.stdout + p.stderr[-2000:]
+
+
+def test_cli_refuses_the_flags_of_another_method():
+  """A flag its method does not use is refused, naming it (they were ignored: `--method=ikgat
+  --warm_start` read like a warm-started run; `--filter_beta` without a filter did nothing)."""
+  cases = [
+      ('--method=ikgat --warm_start', '--warm_start set the iterative solver'),
+      ('--method=swing --iters=3 --lr=0.1', '--iters, --lr set the iterative solver'),
+      ('--method=iterative --window=4', '--window set the warm start: give --warm_start'),
+      ('--method=ikgat --w_anchor=3', '--w_anchor set the refinement: give --refine_iters'),
+      ('--method=ikgat --norefine_prior', '--refine_prior set the refinement'),
+      ('--method=ikgat --prior=P', "--prior serves ikgat's refinement"),
+      ('--method=mean_pose --nofit_translation', '--fit_translation applies to the iterative'),
+      ('--method=ikgat --filter_beta=0.1', '--filter_beta set the One-Euro filter, and there'),
+      ('--method=ikgat --refine_iters=5 --w_anchor=3 --filter=one_euro --filter_beta=0.1', 'ok'),
+      ('--method=iterative --iters=5 --warm_start --window=4 --prior=P', 'ok')]
+  code = ('import sys\n'
+          'from absl import flags\n'
+          'from experiments import evaluate\n'
+          'evaluate.define_flags()\n'
+          f'for argv, _ in {cases!r}:\n'
+          '  flags.FLAGS.unparse_flags()\n'
+          "  flags.FLAGS(['evaluate'] + argv.split())\n"
+          '  try:\n'
+          '    evaluate._check_method_flags()\n'
+          '    evaluate.temporal_filter({})\n'
+          "    print('ok')\n"
+          '  except ValueError as e:\n'
+          '    print(e)\n')
+  p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+  said = p.stdout.splitlines()
+  assert len(said) == len(cases), p.stdout + p.stderr[-2000:]
+  for (argv, want), line in zip(cases, said):
+    assert line.startswith(want), (argv, line)
