@@ -12,7 +12,8 @@ command is a plain training command, recorded in `<root>/manifest.json` with its
 the same command after an interruption and finished rows are skipped, a stopped row resumes from
 its last checkpoint. `--mode=report` evaluates each finished row's best checkpoint on the whole
 test split (`evaluation.evaluate`, the numbers `experiments.evaluate` prints) and times its
-forward pass at batch 1024, writing `<root>/results.json` and `<root>/tables.md`. Time it on an
+forward pass at batch 1024, writing `<root>/results.json` and `<root>/tables.md`
+(`results_val.json`, `tables_val.md` with `--split=val`). Time it on an
 otherwise idle machine: its frames/s column is a measurement, the error columns are not
 affected.
 
@@ -41,7 +42,7 @@ import numpy as np
 
 from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax import data as data_lib
-from ik_gat_jax import evaluation, inference, input_pipeline, iterative_ik
+from ik_gat_jax import evaluation, inference, input_pipeline, iterative_ik, train
 from ik_gat_jax.io import atomic
 
 _DATA = flags.DEFINE_string('data', None, 'Shard directory.')
@@ -170,6 +171,10 @@ def _status(workdir: Path) -> str:
 
 def _selected(rows):
   only = set(_ONLY.value or [])
+  unknown = sorted(only - {r.name for r in rows} - {r.table for r in rows})
+  if unknown:  # it trained or reported nothing, silently
+    raise ValueError(f'--only names no row or table: {", ".join(unknown)} (--mode=list lists '
+                     'them)')
   return [r for r in rows if not only or r.name in only or r.table in only]
 
 
@@ -185,8 +190,8 @@ def train_all(root: Path, data: str, steps: int) -> None:
     entry = manifest['rows'].setdefault(row.name, {})
     entry.update(table=row.table, variant=row.variant, seed=row.seed,
                  command=' '.join(['python', *cmd[1:]]), workdir=str(workdir))
-    if _status(workdir) == 'done':
-      entry['status'] = 'done'
+    if train.finished_run(workdir, steps) is not None:  # at these --steps (a run done at
+      entry['status'] = 'done'                         # others resumes to them, as recorded)
       continue
     print(f'[{i + 1}/{len(rows)}] {row.name}: {entry["command"]}', flush=True)
     entry['status'] = 'running'
@@ -203,7 +208,8 @@ def train_all(root: Path, data: str, steps: int) -> None:
       atomic.write_json(manifest_path, manifest)
       raise
     entry['wall_seconds'] = entry.get('wall_seconds', 0.0) + time.time() - t0
-    entry['status'] = 'done' if rc == 0 and _status(workdir) == 'done' else f'failed (rc {rc})'
+    entry['status'] = ('done' if rc == 0 and train.finished_run(workdir, steps) is not None
+                       else f'failed (rc {rc})')
     atomic.write_json(manifest_path, manifest)
     print(f'  -> {entry["status"]} in {time.time() - t0:.0f} s', flush=True)
   atomic.write_json(manifest_path, manifest)
@@ -241,7 +247,7 @@ def report(root: Path, data_dir: str, split: str) -> None:
   data = data_lib.load_shards(data_dir, split)
   rig = data.rig
   manifest = json.loads((root / 'manifest.json').read_text())
-  results_path = root / 'results.json'
+  results_path, tables_path = report_paths(root, split)
   results = json.loads(results_path.read_text()) if results_path.exists() else {}
   idx = np.arange(len(data))
   batch = input_pipeline.gather_batch(data, idx[:1024])
@@ -249,6 +255,9 @@ def report(root: Path, data_dir: str, split: str) -> None:
     workdir = root / row.name
     if _status(workdir) != 'done':
       continue
+    step = json.loads((workdir / 'run.json').read_text()).get('step')
+    if row.name in results and results[row.name].get('step', step) != step:
+      del results[row.name]  # trained further since: evaluated again
     if row.name in results:
       entry = results[row.name]
       method = _lazy(lambda w=workdir: evaluation.make_method('ikgat', rig, checkpoint=w))
@@ -279,14 +288,23 @@ def report(root: Path, data_dir: str, split: str) -> None:
         'train_wall_s': manifest['rows'].get(row.name, {}).get('wall_seconds'),
         'val_local_rot_err_deg': run.get('val', {}).get('local_rot_err_deg'),
         'command': manifest['rows'].get(row.name, {}).get('command'), 'split': split,
+        'step': run.get('step'),
         'frames': r['frames'], 'part_local_rot_err_deg': _part_errors(r)}
     if row.table in CURVE_TABLES:
       _fill_noise_curve(results[row.name], lambda: method, data, rig)
     print(f'{row.name}: local {r["local_rot_err_deg"]:.2f} deg, MPJPE {r["mpjpe_mm"]:.2f} mm, '
           f'{results[row.name]["forward_frames_per_s"]:,.0f} frames/s', flush=True)
     atomic.write_json(results_path, results)
-  atomic.write_text(root / 'tables.md', tables_markdown(results))
-  print(f'wrote {results_path} and {root / "tables.md"}')
+  atomic.write_text(tables_path, tables_markdown(results, split))
+  print(f'wrote {results_path} and {tables_path}')
+
+
+def report_paths(root: Path, split: str) -> tuple[Path, Path]:
+  """The report's results JSON and tables of `split`: `results.json` and `tables.md` for test,
+  `results_SPLIT.json` and `tables_SPLIT.md` for another (one split's rows never mixed with
+  another's, nor its cached rows reused for another)."""
+  tail = '' if split == 'test' else f'_{split}'
+  return root / f'results{tail}.json', root / f'tables{tail}.md'
 
 
 def _lazy(make):
@@ -361,7 +379,7 @@ def pooled_seed_std(groups: dict) -> tuple[float | None, int]:
   return (float(np.sqrt(ss / dof)) if dof else None), dof
 
 
-def tables_markdown(results: dict) -> str:
+def tables_markdown(results: dict, split: str = 'test') -> str:
   groups: dict[tuple[str, str], list[dict]] = {}
   for r in results.values():
     groups.setdefault((r['table'], r['variant']), []).append(r)
@@ -371,7 +389,7 @@ def tables_markdown(results: dict) -> str:
   b = _agg(base)
   noise, dof = pooled_seed_std(groups)
   multi = ', '.join(f'{v} {len(rs)}' for (t, v), rs in groups.items() if len(rs) > 1)
-  lines = [f'Baseline: {len(base)} seed(s), test local error {b["local_rot_err_deg"]:.2f} deg.'
+  lines = [f'Baseline: {len(base)} seed(s), {split} local error {b["local_rot_err_deg"]:.2f} deg.'
            + (f' Seed noise: pooled std {noise:.2f} deg of the local error over the rows run '
               f'with several seeds ({multi}; {dof} degrees of freedom); differences from the '
               f'baseline under {_NOISE_SIGMAS.value:g} std ({_NOISE_SIGMAS.value * noise:.2f} '

@@ -68,6 +68,29 @@ def test_rerig_check_counts_a_training_done_only_when_finished(finished, tmp_pat
   assert ran.read_text() == 'x' and not (tmp_path / 'skipped.log').exists()
 
 
+def test_ablations_queue_counts_a_row_done_at_its_steps_and_refuses_unknown_rows(
+    cmu_shards, finished, tmp_path):
+  """experiments.ablations --mode=train: a row finished at --steps is skipped as done; --only
+  naming no row is refused (it trained nothing, silently). (A row done at other steps resumes
+  to these: it was skipped, its manifest saying it was trained with them.)"""
+  root = tmp_path / 'abl'
+  root.mkdir()
+  shutil.move(finished, root / 'baseline_baseline_s0')
+  steps = json.loads((root / 'baseline_baseline_s0' / 'run.json').read_text())['step']
+  cmd = [sys.executable, '-m', 'experiments.ablations', f'--data={cmu_shards}', f'--root={root}',
+         '--mode=train', f'--steps={steps}']
+  p = subprocess.run(cmd + ['--only=baseline_baseline_s0'], cwd=REPO, capture_output=True,
+                     text=True, timeout=120)
+  assert p.returncode == 0 and p.stdout == '', p.stdout + p.stderr[-2000:]
+  row = json.loads((root / 'manifest.json').read_text())['rows']['baseline_baseline_s0']
+  assert row['status'] == 'done' and f'--steps={steps}' in row['command']
+  p = subprocess.run(cmd + ['--only=baseline_baseline_s9,nosuch'], cwd=REPO,
+                     capture_output=True, text=True, timeout=120)
+  assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
+      'error: --only names no row or table: baseline_baseline_s9, nosuch (--mode=list lists '
+      'them)'), p.stderr[-2000:]
+
+
 def test_rerun_of_a_finished_run_changes_nothing(cmu_shards, tiny_config, finished):
   before = _snapshot(finished)
   lines = []
