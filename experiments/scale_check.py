@@ -38,6 +38,7 @@ import numpy as np
 from experiments.common import run_main
 from experiments.configs import test as test_config
 from ik_gat_jax import checkpointing, data, inference
+from ik_gat_jax.absl_main import terminate_as_interrupt
 from ik_gat_jax import input_pipeline as ip
 from ik_gat_jax import train
 from ik_gat_jax.io import atomic
@@ -98,7 +99,7 @@ def check_indivisible_batch(config, mesh, workdir: Path) -> str:
   """The error a batch that does not split over the devices gets (before any work; '' if
   there is none, as on one device)."""
   bad = ml_collections.ConfigDict(config.to_dict())
-  bad.train.batch_size = mesh.size * 4 + 2
+  bad.train.batch_size = mesh.size * 4 + 1  # divisible by no mesh of 2 or more (+2 was, by 2)
   try:
     train.train_and_evaluate(bad, workdir, log=lambda msg: None, mesh=mesh)
   except ValueError as e:
@@ -106,10 +107,15 @@ def check_indivisible_batch(config, mesh, workdir: Path) -> str:
   return ''
 
 
+class _PlannedStop(KeyboardInterrupt):
+  """The check's own stop half way (the trainer saves, as for Ctrl-C); a user's Ctrl-C or
+  SIGTERM is not one, and ends the check (it was taken for the planned stop)."""
+
+
 def _stop_at(step: int):
   def log(msg: str) -> None:
     if msg.startswith(f'step {step}/'):
-      raise KeyboardInterrupt
+      raise _PlannedStop
   return log
 
 
@@ -117,7 +123,7 @@ def _train(config, workdir: Path, mesh, stop_at: int | None = None) -> None:
   log = _stop_at(stop_at) if stop_at else (lambda msg: None)
   try:
     train.train_and_evaluate(config, workdir, log=log, mesh=mesh)
-  except KeyboardInterrupt:
+  except _PlannedStop:
     assert stop_at is not None
 
 
@@ -252,7 +258,11 @@ def main(argv):
   if workdir.exists() and any(workdir.iterdir()):
     raise app.UsageError(f'--workdir {workdir} is not empty')
   try:
-    result = run_check(_DATA.value, workdir, _STEPS.value, _PROCESSES.value)
+    with terminate_as_interrupt():
+      result = run_check(_DATA.value, workdir, _STEPS.value, _PROCESSES.value)
+  except KeyboardInterrupt:
+    print('interrupted: nothing checked (rerun the command)', file=sys.stderr)
+    sys.exit(130)
   finally:
     if _WORKDIR.value is None:
       shutil.rmtree(workdir, ignore_errors=True)
