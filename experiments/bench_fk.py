@@ -55,8 +55,8 @@ _BATCH = _REPEATS = None  # set by define_flags()
 def define_flags() -> None:
   """The main's flags, defined only when it runs (tests import its FK variants)."""
   global _BATCH, _REPEATS
-  _BATCH = flags.DEFINE_integer('batch', 16384, 'Frames per call.')
-  _REPEATS = flags.DEFINE_integer('repeats', 20, 'Timed calls per variant.')
+  _BATCH = flags.DEFINE_integer('batch', 16384, 'Frames per call.', lower_bound=1)
+  _REPEATS = flags.DEFINE_integer('repeats', 20, 'Timed calls per variant.', lower_bound=1)
 
 
 def _median_ms(fn, *args) -> float:

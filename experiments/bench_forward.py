@@ -87,6 +87,12 @@ _ROUNDS = flags.DEFINE_integer('rounds', 3, 'Times the matmul and every batch si
 @fail_on_user_error
 def main(argv):
   del argv
+  try:
+    if not _BATCHES.value or min(int(x) for x in _BATCHES.value) < 1:
+      raise ValueError
+  except ValueError:
+    raise ValueError(f'--batches must be batch sizes >= 1, got {",".join(_BATCHES.value)!r}'
+                     ) from None
   if _DIMS.value and _CLIP.value:
     raise ValueError('--clip solves with the checkpoint\'s trained model; --dims times an '
                      'untrained one: give one of them')

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
+from experiments import common
 from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax import data, evaluation, windows
 from ik_gat_jax.io import atomic
@@ -86,17 +87,30 @@ def fitted_method(base: evaluation.Method, k: int, degree: int,
 
 
 @fail_on_user_error
+def _fit_spec(spec: str) -> tuple[int, int]:
+  """'K:DEGREE' -> (K, DEGREE): K >= 1 frames, a polynomial of degree < K (a higher one is
+  underdetermined: the fit passes through the newest frame, the per-frame model's row)."""
+  try:
+    k, degree = (int(x) for x in spec.split(':'))
+  except ValueError:
+    raise ValueError(f'--fits: expected K:DEGREE (e.g. 8:1), got {spec!r}') from None
+  if not 0 <= degree < k:
+    raise ValueError(f'--fits {spec}: a degree from 0 to K - 1 ({k - 1}) fits K frames')
+  return k, degree
+
+
 def main(argv):
   del argv
+  fits = [_fit_spec(spec) for spec in _FITS.value]  # before any work
+  noise_levels = common.noise_levels(_NOISE.value)
   ds = data.load_shards(_DATA.value, _SPLIT.value)
   base = evaluation.make_method('ikgat', ds.rig, checkpoint=_CKPT.value)
   rows = []
   print('| k | degree | noise (mm) | local (deg) | MPJPE (mm) | jitter / GT |')
   print('|---:|---:|---:|---:|---:|---:|')
-  for spec in _FITS.value:
-    k, degree = (int(x) for x in spec.split(':'))
+  for k, degree in fits:
     method = fitted_method(base, k, degree)
-    for noise in (float(x) for x in _NOISE.value):
+    for noise in noise_levels:
       r = evaluation.evaluate(method, ds, ds.rig, noise_mm=noise)
       rows.append({'k': k, 'degree': degree, 'noise_mm': noise,
                    'local_rot_err_deg': r['local_rot_err_deg'], 'mpjpe_mm': r['mpjpe_mm'],
@@ -107,7 +121,7 @@ def main(argv):
     print('\n| oracle k | noise (mm) | points MPJPE (mm) | local (deg) | MPJPE (mm) | jitter / GT |')
     print('|---:|---:|---:|---:|---:|---:|')
   for k in (int(x) for x in _ORACLE.value):
-    for noise in (float(x) for x in _NOISE.value):
+    for noise in noise_levels:
       clean, win = noisy_windows(ds, k, noise)
       w = oracle_weights(clean, win)
       points = np.einsum('t,ntjc->njc', w, win)

@@ -6,6 +6,7 @@ results JSON; threads pinned to cores for a benchmark."""
 import contextlib
 import functools
 import itertools
+import math
 import os
 from pathlib import Path
 import sys
@@ -92,11 +93,16 @@ def define_checkpoint_noise_flags() -> None:
 
 
 def noise_levels(values) -> list[float]:
-  """`--noise_mm`'s values (mm per coordinate) as floats; a one-line ValueError otherwise."""
+  """`--noise_mm`'s values (mm per coordinate) as floats; a one-line ValueError otherwise: not
+  numbers, or not finite and >= 0 (a typo's -10 ran as the clean input, labelled -10 mm)."""
   try:
-    return [float(v) for v in values]
+    levels = [float(v) for v in values]
   except ValueError:
     raise ValueError(f'--noise_mm: {list(values)} are not numbers') from None
+  bad = [v for v in values if not (math.isfinite(float(v)) and float(v) >= 0)]
+  if bad:
+    raise ValueError(f'--noise_mm: {", ".join(map(str, bad))}: noise levels are mm >= 0')
+  return levels
 
 
 def checkpoint_noise_main(run, table, what: str, **solver_options) -> None:

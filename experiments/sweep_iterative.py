@@ -30,6 +30,13 @@ _OUT = flags.DEFINE_string('output', 'outputs/sweep_iterative.md', 'Markdown tab
 @fail_on_user_error
 def main(argv):
   del argv
+  out = Path(_OUT.value)
+  if out.suffix.lower() == '.json':  # the rows' JSON goes beside the table, as OUT.json
+    raise ValueError(f'--output names the markdown table (its rows go to the same name .json): '
+                     f'give one ending .md, not {out}')
+  for flag in (_LRS, _WZS):
+    if not flag.value:
+      raise ValueError(f'--{flag.name} is empty: give one value or more')
   ds = data.load_shards(_DATA.value, _SPLIT.value)
   rows = []
   grid = [('iterative_noprior', float(lr), None) for lr in _LRS.value]
@@ -50,7 +57,6 @@ def main(argv):
            '| method | lr | w_z | local (deg) | MPJPE (mm) |', '|---|---:|---:|---:|---:|']
   lines += [f"| {r['method']} | {r['lr']:g} | {r['w_z'] if r['w_z'] is not None else '-'} | "
             f"{r['local_rot_err_deg']:.2f} | {r['mpjpe_mm']:.2f} |" for r in rows]
-  out = Path(_OUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)
   atomic.write_text(out, '\n'.join(lines) + '\n')
   atomic.write_json(out.with_suffix('.json'), rows)

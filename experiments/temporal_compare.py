@@ -2,7 +2,7 @@
 
   python -m experiments.temporal_compare --data=/tmp/cmu --split=test \
       [--per_frame=checkpoints/ikgat_base] [--temporal=checkpoints/ikgat_temporal] \
-      [--noise_mm=0,10,20,30] [--no_iterative] [--latency_calls=2000] [--refine_iters=50] \
+      [--noise_mm=0,10,20,30] [--noiterative] [--latency_calls=2000] [--refine_iters=50] \
       [--temporal_filters=MIN_CUTOFF:BETA[:D_CUTOFF],...] --output_dir=DIR
 
 Methods, every one on the same noisy frames (`evaluation.evaluate`, i.i.d. Gaussian noise per
@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from absl import flags
 
+from experiments import common
 from experiments.common import fail_on_user_error, run_main
 from ik_gat_jax import data, evaluation, inference, iterative_ik, provenance, temporal
 from ik_gat_jax.io import atomic
@@ -91,11 +92,14 @@ def markdown(rows: list[dict], latency: dict) -> str:
 def main(argv):
   del argv
   out_dir = Path(_OUTPUT.value)
-  out_dir.mkdir(parents=True, exist_ok=True)
+  noise_levels = common.noise_levels(_NOISE.value)
   ds = data.load_shards(_DATA.value, _SPLIT.value)
   rig = ds.rig
   per_frame = _PER_FRAME.value or str(inference.SHIPPED_IKGAT)
   temporal_ckpt = _TEMPORAL.value or str(SHIPPED_TEMPORAL)
+  if _TEMPORAL.value is None and not SHIPPED_TEMPORAL.exists():
+    raise ValueError(f'no window model at {SHIPPED_TEMPORAL} (none is shipped): pass '
+                     '--temporal=RUN, a run of experiments/configs/temporal.py')
   methods = {
       'IK-GAT per-frame': (evaluation.make_method('ikgat', rig, checkpoint=per_frame),
                            temporal.FilterConfig()),
@@ -124,7 +128,7 @@ def main(argv):
         evaluation.make_method('iterative', rig, prior=_PRIOR.value), temporal.FilterConfig())
   idx = evaluation.select_frames(ds, _MAX_FRAMES.value)
   rows, results = [], {}
-  for noise in (float(n) for n in _NOISE.value):
+  for noise in noise_levels:
     base = input_mpjpe_mm(ds, idx, noise)
     for name, (method, filt) in methods.items():
       r = evaluation.evaluate(method, ds, rig, max_frames=_MAX_FRAMES.value, noise_mm=noise,
@@ -152,6 +156,7 @@ def main(argv):
              'split': ds.split, 'per_frame': per_frame, 'temporal': temporal_ckpt,
              'one_euro': ONE_EURO.to_dict(), 'command': provenance.command_line(),
              'provenance': provenance.provenance(**provenance.data_provenance(ds))}
+  out_dir.mkdir(parents=True, exist_ok=True)  # now, not before a refusal (left it empty)
   atomic.write_json(out_dir / 'temporal_compare.json', {**summary, 'results': results})
   atomic.write_text(out_dir / 'temporal_compare.md', markdown(rows, latency))
   print(markdown(rows, latency))

@@ -106,3 +106,18 @@ def test_every_model_field_the_docs_name_can_be_set_by_a_flag(monkeypatch):
       m = fv.config.model
       got = (m.num_layers, m.hidden, m.num_heads, m.head_hidden, m.tilt_side_limit_deg)
       assert got == ((1, 24, 2, 16, 20.0) if len(argv) > 1 else (None,) * 5), (name, got)
+
+
+def test_list_flags_of_the_noise_mains_refuse_in_one_line():
+  """--noise_mm=-10 (a typo of 10) ran the clean input, labelled -10 mm; causal_fit's --fits=4
+  said 'not enough values to unpack', and 2:5 (underdetermined) gave the per-frame row."""
+  from experiments import causal_fit, common
+  assert common.noise_levels(['0', '10.5']) == [0.0, 10.5]
+  for bad in (['-10'], ['nan'], ['ten']):
+    with pytest.raises(ValueError, match='--noise_mm: '):
+      common.noise_levels(bad)
+  assert causal_fit._fit_spec('8:1') == (8, 1) and causal_fit._fit_spec('1:0') == (1, 0)
+  with pytest.raises(ValueError, match=r"--fits: expected K:DEGREE \(e.g. 8:1\), got '4'"):
+    causal_fit._fit_spec('4')
+  with pytest.raises(ValueError, match=r'--fits 2:5: a degree from 0 to K - 1 \(1\)'):
+    causal_fit._fit_spec('2:5')
