@@ -86,7 +86,6 @@ def fitted_method(base: evaluation.Method, k: int, degree: int,
   return dataclasses.replace(base, name=name, solve=solve, info=info)
 
 
-@fail_on_user_error
 def _fit_spec(spec: str) -> tuple[int, int]:
   """'K:DEGREE' -> (K, DEGREE): K >= 1 frames, a polynomial of degree < K (a higher one is
   underdetermined: the fit passes through the newest frame, the per-frame model's row)."""
@@ -99,6 +98,7 @@ def _fit_spec(spec: str) -> tuple[int, int]:
   return k, degree
 
 
+@fail_on_user_error
 def main(argv):
   del argv
   fits = [_fit_spec(spec) for spec in _FITS.value]  # before any work
