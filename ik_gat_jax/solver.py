@@ -487,6 +487,35 @@ def warning_kind(msg: str) -> str:
   return re.sub(r'[-+]?\d[\d.,e+-]*', '#', msg.split(':')[0])
 
 
+# The refinement fits the positions with the offsets' bone lengths: where the input's bones
+# are another size (a tracker's scale off, offsets of another subject), it bends the joints to
+# make up the difference; a 2% mismatch already costs it about as much as it gains on clean
+# input. Warned past REFINE_SCALE_TOL, measured on the longer bones, which noise lengthens
+# least (30 mm of noise: about 2%).
+REFINE_SCALE_TOL = 0.04
+
+
+def check_refined_scale(positions: np.ndarray, offsets: np.ndarray, rig: Rig) -> None:
+  """Warns (at the caller's line) when `positions [T, J, 3]` (metres, rig axes) have bones more
+  than REFINE_SCALE_TOL longer or shorter than `offsets` (the median over the real bones of
+  each bone's median over up to `_PLAUSIBILITY_FRAMES` whole frames): what a refinement does
+  then, and the remedies."""
+  whole = positions[np.isfinite(positions).all(axis=(1, 2))][:_PLAUSIBILITY_FRAMES]
+  bones = np.asarray(_real_bones(rig))
+  rest = np.linalg.norm(np.asarray(offsets, np.float64), axis=-1)[bones]
+  if not len(whole) or not len(bones) or not (rest > 1e-6).all():
+    return
+  # The longer half of the bones: noise of sigma lengthens a bone of L by about 3 sigma^2 / L^2
+  # (a 10 cm bone 8% at 15 mm; a 40 cm one 0.4%), a scale error every bone alike.
+  long = rest >= np.median(rest)
+  ratio = float(np.median(np.median(bone_lengths(whole, rig), axis=0)[bones[long]] / rest[long]))
+  if abs(ratio - 1.0) > REFINE_SCALE_TOL:
+    warn_caller(f'the input\'s bones are {100 * (ratio - 1):+.0f}% the offsets\' lengths: the '
+                'refinement (refine_iters) fits the offsets\' lengths and bends the joints to '
+                'make up the difference; give offsets at the input\'s scale, estimate_lengths='
+                'True (--estimate_lengths), or no refinement')
+
+
 def check_plausibility(positions: np.ndarray, rig: Rig, scale: float = 1.0,
                        said: set[str] | None = None,
                        input_axes: np.ndarray | None = None) -> list[str]:
@@ -1655,6 +1684,8 @@ class IKSolver:
       raise InputError(f'{"fit_offsets" if fit_offsets else "estimate_lengths"} needs every '
                        'joint; give the subject\'s offsets')
     off = self.resolve_offsets(pos, offsets, estimate_lengths)
+    if self.refine is not None and not estimate_lengths and sparse is None:
+      check_refined_scale(pos, off, self.rig)
     subject = self._device_subject(off)
     out = self._solve_chunks(pos, subject, full, progress, sparse)
     if self.temporal_filter.active and len(pos) > 1:

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -13,6 +14,7 @@ import pytest
 
 from ik_gat_jax import bone_frames, checkpointing, data, evaluation, inference, kinematics
 from ik_gat_jax import prior_task, skeleton
+from ik_gat_jax import solver as solver_lib
 from ik_gat_jax.io import exports
 
 SHIPPED = Path(__file__).resolve().parents[1] / 'checkpoints'
@@ -113,6 +115,17 @@ def test_solver_refine_flag_brings_joints_closer(cmu_dir, tmp_path):
   filtered = solver.solve(noisy, full=True)
   np.testing.assert_array_equal(filtered.positions_fk[:, 0], refined.positions_fk[:, 0])
   assert np.abs(filtered.local_rot - refined.local_rot).max() > 1e-3
+  # Bones another size than the offsets' (a tracker's scale off): the refinement would bend the
+  # joints to fit the offsets' lengths; said at the caller's line. 30 mm of noise alone is not.
+  root = clip.positions[:, :1]
+  with pytest.warns(UserWarning, match=r"bones are \+6% the offsets' lengths: the refinement") as w:
+    solver.solve((clip.positions - root) * 1.06 + root)
+  assert w[0].filename == __file__
+  for pos in (noisy, clip.positions + np.random.default_rng(1).normal(
+      scale=0.03, size=clip.positions.shape)):
+    with warnings.catch_warnings():
+      warnings.simplefilter('error', UserWarning)
+      solver_lib.check_refined_scale(pos, clip.offsets, skeleton.cmu_body())
 
 
 def _max_angle_deg(A: np.ndarray, B: np.ndarray) -> float:
