@@ -1829,16 +1829,20 @@ class IKSolver:
     if self._history is not None:
       self._history.reset()
 
-  def _check_stream(self, pos: np.ndarray, scale: float = 1.0, input_axes=None) -> None:
+  def _check_stream(self, pos: np.ndarray, scale: float = 1.0, input_axes=None,
+                    own_subject: bool = False) -> None:
     """A stream's first frame(s) `[n, J, 3]` with every joint: the units and axes checks of
     `solve` (`check_plausibility`; `scale`: the metres per input unit the frames were given
     in; `input_axes`, the axes map they were given with), once per stream (until `reset()`), so a
     live loop fed millimetres or z-up data hears it at its start; the frames after it are not
-    checked."""
+    checked. With a refinement and the solver's own subject (`own_subject`), also the bones'
+    size against its offsets (`check_refined_scale`)."""
     if all_finite(pos):
       self._stream_checked = True
       check_plausibility(pos, self.rig, scale, input_axes=None if input_axes is None else
                          parse_input_axes(input_axes, self.rig))
+      if self.refine is not None and own_subject:
+        check_refined_scale(pos, self.offsets, self.rig)
 
   def _stream_history(self, pos: np.ndarray) -> dict[str, np.ndarray] | None:
 
@@ -1922,7 +1926,7 @@ class IKSolver:
     if self.hold_missing:  # the stream's dropouts filled from its earlier frames
       pos, self._held = hold_missing_joints(pos, self._held, self.rig)
     if not self._stream_checked:
-      self._check_stream(pos, scale, input_axes)
+      self._check_stream(pos, scale, input_axes, own_subject=offsets is None)
     sparse = self.sparse_inputs(pos, mask, orientations, orientation_mask, end_sites)
     if self.window <= 1:  # as a clip's frames (`near_origin`), the calibration's float32 too
       pos, sparse, _ = near_origin(pos, sparse)
@@ -2070,7 +2074,7 @@ class IKSolver:
     if self.hold_missing:
       pos, self._held = hold_missing_joints(pos, self._held, self.rig)
     if not self._stream_checked:
-      self._check_stream(pos, scale, input_axes)
+      self._check_stream(pos, scale, input_axes, own_subject=off is self.offsets)
     sparse = self.sparse_inputs(pos, mask)
     history = self._stream_history(pos)
     if history is not None:  # window models take no other sparse input (as `step`)

@@ -121,6 +121,8 @@ def test_solver_refine_flag_brings_joints_closer(cmu_dir, tmp_path):
   with pytest.warns(UserWarning, match=r"bones are \+6% the offsets' lengths: the refinement") as w:
     solver.solve((clip.positions - root) * 1.06 + root)
   assert w[0].filename == __file__
+  with pytest.warns(UserWarning, match=r"bones are -6% the offsets' lengths"):  # a live stream's
+    solver.step((clip.positions[0] - root[0]) * 0.94 + root[0])                # first frame
   for pos in (noisy, clip.positions + np.random.default_rng(1).normal(
       scale=0.03, size=clip.positions.shape)):
     with warnings.catch_warnings():
