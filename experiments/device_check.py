@@ -739,10 +739,10 @@ def markdown(r: dict) -> str:
 
 def define_flags() -> None:
   flags.DEFINE_string('output_json', Options.output_json, 'Where the JSON goes.')
-  flags.DEFINE_string('size', 'base', 'Model size (tiny, small, base, large).')
-  flags.DEFINE_string('rig', 'cmu_body', 'Built-in rig (cmu_body, smpl22).')
+  flags.DEFINE_enum('size', 'base', ['tiny', 'small', 'base', 'large'], 'Model size.')
+  flags.DEFINE_enum('rig', 'cmu_body', ['cmu_body', 'smpl22'], 'Built-in rig.')
   flags.DEFINE_integer('max_batch', None, 'Largest batch (default 1<<20 on an accelerator, '
-                       '1024 on the CPU, 4 with --tiny).')
+                       '1024 on the CPU, 4 with --tiny).', lower_bound=1)
   flags.DEFINE_float('time_budget_s', 240.0, 'Time for all sections together; batches stop '
                      'growing when a section\'s share is near.')
   flags.DEFINE_boolean('tiny', False, 'Tiny model and batches (the CPU test).')

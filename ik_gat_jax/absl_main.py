@@ -22,7 +22,9 @@ def run_main(main: Callable, define_flags: Callable[[], None] | None = None,
   - an override of a config flag naming a field the config does not have
     (`--config.train.lrr=1`), or a config file that does not exist (`--config=/missing.py`),
     is refused in one line, `error: ...`, exit status 2, not a traceback (absl's other bad
-    flags: its two lines, exit status 1).
+    flags: its two lines, exit status 1);
+  - a Ctrl-C that reaches it (the main kept nothing to finish) ends it with `interrupted` and
+    exit status 130, not a traceback.
   """
   try:
     if define_flags is not None:
@@ -31,7 +33,11 @@ def run_main(main: Callable, define_flags: Callable[[], None] | None = None,
     _unknown_config_field(e, sys.argv)
   if required:
     flags.mark_flags_as_required(list(required))
-  app.run(main, flags_parser=_parse_flags)
+  try:
+    app.run(main, flags_parser=_parse_flags)
+  except KeyboardInterrupt:  # a Ctrl-C no main handled: one line, not a 25-frame traceback
+    print('interrupted', file=sys.stderr)
+    sys.exit(130)
 
 
 @contextlib.contextmanager
