@@ -353,7 +353,8 @@ def test_second_run_adds_files_and_keeps_ids(tmp_path, cmu_dir):
   assert any('anna/07_03.bvh: the same bytes as anna/07_03 copy.bvh (converted in this run), '
              'skipped' in m for m in messages), messages
   files = json.loads((out / 'files.json').read_text())
-  assert [f['file'] for f in files] == ['07_01.bvh', '07_02.bvh', '08_01.bvh', 'anna/07_03 copy.bvh']
+  assert [f['file'] for f in files] == ['07_01.bvh', '07_02.bvh', '08_01.bvh',
+                                        'anna/07_03 copy.bvh']
   assert summary['runs'][-1]['files_skipped'] == ['anna/07_02.bvh', 'anna/07_03.bvh']
 
 
