@@ -70,7 +70,7 @@ import numpy as np
 from data_prep import conversion
 from data_prep.conversion import Log, log_stderr
 from ik_gat_jax import skeleton
-from ik_gat_jax.errors import ConversionError
+from ik_gat_jax.errors import ConversionError, InputError, check_frame_rate
 from ik_gat_jax.io import retarget
 from ik_gat_jax.io import smpl
 from ik_gat_jax.io.smpl import AMASS_TO_RIG, BODY_JOINTS
@@ -282,16 +282,13 @@ def _frame_rate(value: np.ndarray, path: Path, key: str) -> float:
   """A file's frame rate field: a number, or an array of one (`np.savez(...,
   mocap_framerate=[fps])`); one line for anything else."""
   value = np.asarray(value)
-  try:
-    if value.size != 1:
-      raise ValueError
-    fps = float(value.ravel()[0])
-  except (TypeError, ValueError):
+  if value.size != 1:
     raise ConversionError(f'{path}: {key} must be one number, got an array of shape '
-                          f'{value.shape} ({value.dtype})') from None
-  if not (np.isfinite(fps) and fps > 0):
-    raise ConversionError(f'{path}: {key} must be a positive frame rate, got {fps:g}')
-  return fps
+                          f'{value.shape} ({value.dtype})')
+  try:
+    return check_frame_rate(value.ravel()[0].item(), f'{path}: {key}')
+  except InputError as e:
+    raise ConversionError(str(e)) from None
 
 
 def read_amass(path: str | os.PathLike) -> AmassMotion:
