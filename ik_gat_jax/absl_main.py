@@ -79,10 +79,34 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _unknown_config_field(e, argv)
   except OSError as e:  # an override of a config whose file did not load
     _unloaded_config_file(argv, e)
-  except flags.Error:  # absl's own report, exit status 1: parse again (it fails the same way)
-    return app.parse_flags_with_usage(argv)
+  except flags.Error as e:  # absl's own report, exit status 1 (parsing again, as it was,
+    # defined a config file's override flags twice and reported that instead)
+    sys.stderr.write(f'FATAL Flags parsing error: {e}\n'
+                     'Pass --helpshort or --helpfull to see help on flags.\n')
+    sys.exit(1)
+  except Exception as e:  # pylint: disable=broad-except  (a config file that failed to run)
+    _config_file_error(argv, e)
   _unloaded_config_file(argv)
   return rest
+
+
+def _config_file_error(argv: Sequence[str], error: Exception) -> NoReturn:
+  """Exits 2 with `error: --config=FILE: cannot read it (NameError: ...)` when a config file
+  flag is given (its module raised `error` while the flags were parsed: a JSON file given for a
+  Python config, a typo in one), else re-raises `error`."""
+  config_flags = sys.modules.get('ml_collections.config_flags.config_flags')
+  parser = getattr(config_flags, 'ConfigFileFlagParser', None)
+  for name in (list(flags.FLAGS) if parser is not None else []):
+    if not isinstance(flags.FLAGS[name].parser, parser):
+      continue
+    path = next((a.split('=', 1)[1] for a in argv[1:] if a.startswith((f'--{name}=',
+                                                                          f'-{name}='))), None)
+    if path is not None:
+      print(f'error: --{name}={path}: cannot read it ({type(error).__name__}: '
+            f'{str(error).splitlines()[0] if str(error) else ""}; a config file is Python, '
+            'defining get_config())', file=sys.stderr)
+      sys.exit(2)
+  raise error
 
 
 def _unloaded_config_file(argv: Sequence[str], error: OSError | None = None) -> None:

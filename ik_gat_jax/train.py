@@ -783,8 +783,11 @@ def _check_resumable(workdir: Path, config) -> dict | None:
     val = lambda d, k: f'{json.dumps(d[k])[:40]}' if k in d else '(absent)'  # noqa: E731
     was = ', '.join(f'--config.{k}={val(old, k)} (this config {val(new, k)})' for k in diff[:4])
     more = f' (+{len(diff) - 4} more)' if len(diff) > 4 else ''
-    raise ValueError(f'{workdir} was trained with {was}{more}: rerun with its config '
-                     f'({workdir / "config.json"}) to resume it, or use a new --workdir')
+    command = (read_run(workdir) or {}).get('command')
+    raise ValueError(f'{workdir} was trained with {was}{more}: rerun ' + (
+        f'its command (run.json: {command})' if command else 'with its config (the overrides '
+        f'of {workdir / "config.json"}, a record, not a --config file)')
+        + ' to resume it, or use a new --workdir')
   return saved
 
 

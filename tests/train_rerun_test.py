@@ -153,7 +153,8 @@ def test_resume_with_another_config_or_other_data_is_refused(cmu_shards, tiny_co
 
   cases = [
       (config(**{'train.lr': 2e-3}), r'was trained with --config\.train\.lr=0\.001 \(this config '
-       r'0\.002\): rerun with its config \(.*config\.json\) to resume it, or use a new --workdir$'),
+       r'0\.002\): rerun its command \(run\.json: python -m .*\) to resume it, or use a new '
+       r'--workdir$'),
       (config(**{'train.batch_size': 64}), r'--config\.train\.batch_size=32 \(this config 64\)'),
       (config(seed=1, **{'augment.mirror': 0.0}),
        r'--config\.augment\.mirror=0\.5 \(this config 0\.0\), --config\.seed=0 \(this config 1\)'),
@@ -183,7 +184,7 @@ def test_a_prior_run_refuses_another_config_too(tiny_prior_run, tmp_path):
   assert len(lines) == 1 and lines[0].startswith('already done'), lines
   c.train.update(steps=30, lr=c.train.lr * 2)
   with pytest.raises(ValueError, match=rf'^{re.escape(str(run))} was trained with '
-                     r'--config\.train\.lr=\S+ \(this config \S+\): rerun with its config'):
+                     r'--config\.train\.lr=\S+ \(this config \S+\): rerun its command \(run\.json'):
     train.train_and_evaluate(c, run, task=prior_task.PRIOR_TASK, log=_quiet)
   assert _snapshot(run) == before
 
@@ -344,15 +345,24 @@ def test_mains_run_from_any_directory_and_answer_reruns_in_one_line(cmu_shards, 
       'no_config_override': (['experiments.train_prior', data, f'--workdir={tmp_path / "g"}',
                               '--config=none.py', '--config.train.lr=1'], 2,
                              'error: --config=none.py: no such config file'),
+      'json_config': (['experiments.train', data, f'--workdir={tmp_path / "h"}',
+                       f'--config={tmp_path / "c.json"}'], 2,
+                      f'error: --config={tmp_path / "c.json"}: cannot read it (NameError: name '
+                      "'true' is not defined; a config file is Python"),
+      'bad_beside_override': (['experiments.train', data, f'--workdir={tmp_path / "i"}',
+                               test_config, '--steps=abc', '--config.train.lr=1e-3'], 1,
+                              'FATAL Flags parsing error: flag --steps=abc: invalid literal'),
       'no_data': (['experiments.train', f'--data={tmp_path / "none"}',
                    f'--workdir={tmp_path / "e" / "run"}'], 2,
                   f'error: shard directory {tmp_path / "none"} does not exist'),
   }
+  (tmp_path / 'c.json').write_text('{"train": {"lr": 0.001, "ema": true}}')  # a record
   env = {**os.environ, 'PYTHONUNBUFFERED': '1'}
   before = {'done': _snapshot(finished), 'lower': _snapshot(lower)}
   procs = {k: subprocess.Popen([sys.executable, '-m', *args], cwd=elsewhere, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
            for k, (args, _, _) in runs.items()}
+  first = {}
   for k, p in procs.items():
     try:
       out, err = p.communicate(timeout=240)
@@ -362,8 +372,12 @@ def test_mains_run_from_any_directory_and_answer_reruns_in_one_line(cmu_shards, 
     _, rc, line = runs[k]
     assert p.returncode == rc, (k, out[-2000:], err[-2000:])
     said = [x for x in (out if rc == 0 else err).splitlines() if x.strip()]
-    assert len(said) == 1 and said[0].startswith(line), (k, said)
-  assert sorted(p.name for p in tmp_path.iterdir()) == ['elsewhere', 'lower', 'run']
+    assert len(said) == (2 if rc == 1 else 1) and said[0].startswith(line), (k, said)
+    first[k] = said[0]
+  # A refused rerun names what resumes the run: the command run.json records (it named
+  # config.json, which --config cannot read).
+  assert 'rerun its command (run.json: python -m ' in first['other_lr'], first
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['c.json', 'elsewhere', 'lower', 'run']
   assert _snapshot(finished) == before['done'] and _snapshot(lower) == before['lower']
 
 
