@@ -157,8 +157,11 @@ REST_POSE_WARN_DEG = skeleton.REST_POSE_WARN_DEG
 _REST_BONE_WARN_DEG = skeleton.REST_BONE_WARN_DEG
 # The units a plausibility warning may name (the hint's candidates, in this order).
 _UNIT_LABELS = {'m': 'metres', 'cm': 'centimetres', 'mm': 'millimetres', 'inch': 'inches',
-                'in': 'inches', 'cmu': 'CMU\'s units (0.056444 m; this project\'s BVH of a CMU '
-                'file too)'}
+                'in': 'inches', 'ft': 'feet', 'cmu': 'CMU\'s units (0.056444 m; this project\'s '
+                'BVH of a CMU file too)'}
+# A human's bones, as a multiple of the template's, that a units hint names a unit for (a child
+# to a tall adult); outside it, the number that would make the body the template's size.
+_HINT_SIZES = (0.5, 1.5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,8 +435,11 @@ def units_hint(ratio: float, scale: float) -> str:
   want = scale / ratio
   if not (math.isfinite(want) and want > 0):
     return 'pass --units=NUMBER (metres per input unit)'
-  name = min(_UNIT_LABELS, key=lambda k: abs(math.log(UNITS[k] / want)))
-  if abs(math.log(UNITS[name] / want)) < math.log(1.3):
+  # The named unit that makes a human of it (a child in millimetres is millimetres, 0.65x the
+  # template; the number that made it template-sized wrote an adult), the nearest if several.
+  human = [k for k in _UNIT_LABELS if _HINT_SIZES[0] <= UNITS[k] / want <= _HINT_SIZES[1]]
+  if human:
+    name = min(human, key=lambda k: abs(math.log(UNITS[k] / want)))
     return f'looks like {_UNIT_LABELS[name]}: pass --units={name}'
   return f'pass --units={want:.4g} (metres per input unit)'
 
@@ -580,7 +586,7 @@ def _check_up(positions: np.ndarray, rig: Rig, given: np.ndarray | None = None) 
     return [f'up axis looks wrong: the bodies extend most along {"xyz"[k]} (median '
             f'{extent[k]:.2f} m, against {extent[u]:.2f} m along rig up '
             f'{axes_text(up[None])}); pass --input_axes (e.g. --input_axes={axes_text(M)} if '
-            f'input {_input_axis(given, k, 1.0)} is up)']
+            f'input {_input_axis(given, k, 1.0)} is up)' + _LYING]
   where = ('below the' if float(v @ up) < 0 else
            f'{math.degrees(math.acos(float(v @ up) / n)):.0f} degrees off up from the')
   k = int(np.argmax(np.abs(v)))  # the input axis that points up: suggest the map to rig up
@@ -588,7 +594,12 @@ def _check_up(positions: np.ndarray, rig: Rig, given: np.ndarray | None = None) 
   return [f'up axis looks wrong: the {rig.joint_names[head]} is {where} '
           f'{rig.joint_names[0]} on average (rig up is {axes_text(up[None])}); pass '
           f'--input_axes (e.g. --input_axes={axes_text(M)} if input '
-          f'{_input_axis(given, k, float(np.sign(v[k])))} is up)']
+          f'{_input_axis(given, k, float(np.sign(v[k])))} is up)' + _LYING]
+
+
+# What an up-axis warning says of a body that is lying or upside down: the solver takes any
+# orientation, so then the axes are right and the warning is not.
+_LYING = '; a clip of a body lying or upside down is solved as it is (leave the axes)'
 
 
 def _input_axis(given: np.ndarray, k: int, sign: float) -> str:

@@ -498,7 +498,20 @@ def test_unit_and_axis_warnings(solver):
   assert any('up axis looks wrong' in m and '--input_axes=x,z,-y' in m for m in msgs), msgs
   assert _warnings_of(lambda: solver.solve(z_up, input_axes='x,z,-y')) == []
   upside_down = pos * np.array([1.0, -1.0, -1.0])
-  assert any('up axis looks wrong' in m for m in _warnings_of(lambda: solver.solve(upside_down)))
+  msgs = _warnings_of(lambda: solver.solve(upside_down))  # it may be a handstand: said so
+  assert any('up axis looks wrong' in m and m.endswith('a clip of a body lying or upside down '
+                                                       'is solved as it is (leave the axes)')
+             for m in msgs), msgs
+  # Feet (a unit the solver knows) read as metres: named (it passed, a 5.6 m person); a child
+  # (0.65x the template) in millimetres: the unit named, not the number that made it an adult.
+  # (the command line's check of units nobody named).
+  assert 'looks like feet: pass --units=ft' in solver_lib.units_problem(pos / 0.3048, rig,
+                                                                       defaulted=True)
+  assert solver_lib.units_problem(pos, rig, 0.3048, defaulted=True) is None  # --units=ft
+  assert _warnings_of(lambda: solver.solve(pos / 0.3048, units='ft')) == []
+  assert solver_lib.units_hint(0.65 * 1000, 1.0) == 'looks like millimetres: pass --units=mm'
+  assert solver_lib.units_hint(0.65 * 100, 1.0) == 'looks like centimetres: pass --units=cm'
+  assert solver_lib.units_hint(300.0, 1.0) == 'pass --units=0.003333 (metres per input unit)'
   # y-up data given a wrong --input_axes: the hint is the whole map from the input's axes, so
   # following it silences the warning (it used to suggest a map of the converted axes, which
   # sent the user round in a circle), for clips and for a stream's first frame alike.
