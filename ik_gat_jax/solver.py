@@ -543,6 +543,7 @@ def check_plausibility(positions: np.ndarray, rig: Rig, scale: float = 1.0,
   positions = positions[::-(-len(positions) // _PLAUSIBILITY_FRAMES)]
   msgs = [m for m in (units_problem(positions, rig, scale),) if m]
   msgs += _check_up(positions, rig, input_axes)
+  msgs += _check_handedness(positions, rig, input_axes)
   if said is not None:
     msgs = [m for m in msgs if warning_kind(m) not in said]
     said.update(warning_kind(m) for m in msgs)
@@ -595,6 +596,83 @@ def _check_up(positions: np.ndarray, rig: Rig, given: np.ndarray | None = None) 
           f'{rig.joint_names[0]} on average (rig up is {axes_text(up[None])}); pass '
           f'--input_axes (e.g. --input_axes={axes_text(M)} if input '
           f'{_input_axis(given, k, float(np.sign(v[k])))} is up)' + _LYING]
+
+
+def _handedness_joints(rig: Rig) -> tuple[int, int, int, tuple[tuple[int, int], ...]] | None:
+  """(left hip, right hip, top, ((foot, toe) of each side)) where the rig's natural pose shows
+  them: the mirrored pair nearest the root (the hips), the top joint (the head), and the lowest
+  mirrored leaves whose bone from their parent points forward (the toes). None for a rig
+  without them (no mirror map, no feet pointing forward)."""
+  try:
+    rest = rig.reference_positions()
+  except RigError:
+    return None
+  up, forward, side = (np.asarray(v, np.float64) for v in (rig.up, rig.forward, rig.lateral))
+  depth = [0] * rig.num_joints
+  for j, p in enumerate(rig.parents):
+    depth[j] = 0 if p < 0 else depth[p] + 1
+  pairs = [j for j, m in enumerate(rig.mirror) if m != j]
+  if not pairs:
+    return None
+  hip = min(pairs, key=lambda j: (depth[j], j))
+  left, right = ((hip, rig.mirror[hip]) if float((rest[hip] - rest[rig.mirror[hip]]) @ side) > 0
+                 else (rig.mirror[hip], hip))
+  feet = []
+  for toe in sorted((j for j in rig.leaves if rig.mirror[j] != j), key=lambda j: rest[j] @ up)[:2]:
+    bone = rest[toe] - rest[rig.parents[toe]]
+    if float(bone @ forward) < 0.5 * np.linalg.norm(bone):
+      return None
+    feet.append((rig.parents[toe], toe))
+  if len(feet) != 2 or float(np.linalg.norm(rest[left] - rest[right])) < 1e-6:
+    return None
+  return left, right, _top_joint(rig), tuple(feet)
+
+
+_MIRRORED_SHARE = 0.8  # of the frames' feet pointing clearly backwards: a mirrored body
+
+
+def _check_handedness(positions: np.ndarray, rig: Rig,
+                      given: np.ndarray | None = None) -> list[str]:
+  """Warns when the body looks mirrored (left-handed axes given as right-handed, as a y-up
+  engine's data exported without converting: the solution then faces backwards with its knees
+  and toes bent the wrong way, an error of about 50 degrees, while its FK looks as close as
+  the input's): the triple product of the hips' left-right, the body's up (head - root) and a
+  foot's toe direction has the opposite sign to the rig's natural pose's in most frames. A
+  rotation of the body keeps that sign (any orientation, lying or upside down), a reflection
+  flips it; a foot pointing up in a kick is left out (|cosine| < 0.3)."""
+  joints = _handedness_joints(rig)
+  if joints is None or not len(positions):
+    return []
+  left, right, top, feet = joints
+
+  def signs(p):  # [T, 2]: the sign per frame and foot, 0 where not clear
+    a = p[..., left, :] - p[..., right, :]
+    b = p[..., top, :] - p[..., 0, :]
+    n = np.cross(a, b)
+    out = []
+    for foot, toe in feet:
+      f = p[..., toe, :] - p[..., foot, :]
+      c = np.einsum('...i,...i->...', n, f) / np.maximum(
+          np.linalg.norm(n, axis=-1) * np.linalg.norm(f, axis=-1), 1e-12)
+      out.append(np.where(np.abs(c) >= 0.3, np.sign(c), 0.0))
+    return np.stack(out, axis=-1)
+
+  rest = signs(rig.reference_positions()[None])[0]
+  if not np.all(rest == rest[0]) or rest[0] == 0:
+    return []
+  with np.errstate(invalid='ignore'):
+    got = signs(positions[np.isfinite(positions).all(axis=(1, 2))])
+  clear = got != 0
+  if clear.sum() < 4:
+    return []
+  backwards = float(np.mean(got[clear] == -rest[0]))
+  if backwards < _MIRRORED_SHARE:
+    return []
+  given = np.eye(3) if given is None else np.asarray(given, np.float64)
+  flip = np.eye(3) - 2.0 * np.outer(rig.lateral, rig.lateral)  # the rig's left-right reflection
+  return [f'the body looks mirrored: its feet point backwards in {100 * backwards:.0f}% of the '
+          'frames, so left and right would swap and the knees bend the wrong way (left-handed '
+          f'axes?); pass --input_axes (e.g. --input_axes={axes_text(flip @ given)})']
 
 
 # What an up-axis warning says of a body that is lying or upside down: the solver takes any

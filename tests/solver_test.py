@@ -502,6 +502,14 @@ def test_unit_and_axis_warnings(solver):
   assert any('up axis looks wrong' in m and m.endswith('a clip of a body lying or upside down '
                                                        'is solved as it is (leave the axes)')
              for m in msgs), msgs
+  # Left-handed data (a y-up engine's, exported unconverted): the solution faced backwards,
+  # knees bent the wrong way, 50 deg off, without a word; a turned body is not mirrored.
+  mirrored = pos * np.array([-1.0, 1.0, 1.0])
+  msgs = _warnings_of(lambda: solver.solve(mirrored))
+  assert any(m.startswith('the body looks mirrored: its feet point backwards in 100% of the '
+                          'frames') and m.endswith('--input_axes=-x,y,z)') for m in msgs), msgs
+  assert _warnings_of(lambda: solver.solve(mirrored, input_axes='-x,y,z')) == []
+  assert not any('mirrored' in m for m in _warnings_of(lambda: solver.solve(upside_down)))
   # Feet (a unit the solver knows) read as metres: named (it passed, a 5.6 m person); a child
   # (0.65x the template) in millimetres: the unit named, not the number that made it an adult.
   # (the command line's check of units nobody named).
