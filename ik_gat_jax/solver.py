@@ -501,6 +501,34 @@ def warning_kind(msg: str) -> str:
 REFINE_SCALE_TOL = 0.04
 
 
+# Positions alone of a body this much larger or smaller than the template (a child, a tall
+# adult) get the template scaled to their size; within it (CMU's subjects, 0.97-1.04x) the
+# template as it is.
+TEMPLATE_SIZE_TOL = 0.1
+
+
+def template_at_size(positions: np.ndarray, offsets: np.ndarray, rig: Rig) -> np.ndarray:
+  """`offsets`, or for positions alone (`offsets` equal to the rig's template) of a body more
+  than TEMPLATE_SIZE_TOL from its size, the template scaled by the median over the real bones
+  of the clip's median bone length over the template's: the rotations are the same (the
+  network sees the template's size either way), and FK and every output keep the input's size
+  (a 1.1 m child got an adult's skeleton, its feet 35 cm under the floor)."""
+  try:
+    template = rig.template()
+  except RigError:
+    return offsets
+  if not np.array_equal(np.asarray(offsets, np.float64), np.asarray(template, np.float64)):
+    return offsets
+  whole = positions[np.isfinite(positions).all(axis=(1, 2))][:_PLAUSIBILITY_FRAMES]
+  if not len(whole):
+    return offsets
+  ratio = length_ratio(np.median(bone_lengths(whole, rig), axis=0), rig)
+  if not (np.isfinite(ratio) and 1 / _UNIT_WARN_RATIO < ratio < _UNIT_WARN_RATIO) or abs(
+      math.log(ratio)) <= math.log(1 + TEMPLATE_SIZE_TOL):
+    return offsets  # a human's size as it is, or other units (said by the units check)
+  return check_offsets(np.asarray(template, np.float64) * ratio, rig)
+
+
 def check_refined_scale(positions: np.ndarray, offsets: np.ndarray, rig: Rig) -> None:
   """Warns (at the caller's line) when `positions [T, J, 3]` (metres, rig axes) have bones more
   than REFINE_SCALE_TOL longer or shorter than `offsets` (the median over the real bones of
@@ -1773,8 +1801,10 @@ class IKSolver:
       raise InputError(f'{"fit_offsets" if fit_offsets else "estimate_lengths"} needs every '
                        'joint; give the subject\'s offsets')
     off = self.resolve_offsets(pos, offsets, estimate_lengths)
-    if self.refine is not None and not estimate_lengths and sparse is None:
-      check_refined_scale(pos, off, self.rig)
+    if not estimate_lengths and sparse is None:
+      off = template_at_size(pos, off, self.rig)
+      if self.refine is not None:
+        check_refined_scale(pos, off, self.rig)
     subject = self._device_subject(off)
     out = self._solve_chunks(pos, subject, full, progress, sparse)
     if self.temporal_filter.active and len(pos) > 1:

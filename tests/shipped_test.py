@@ -130,6 +130,28 @@ def test_solver_refine_flag_brings_joints_closer(cmu_dir, tmp_path):
       solver_lib.check_refined_scale(pos, clip.offsets, skeleton.cmu_body())
 
 
+def test_positions_alone_of_a_child_keep_its_size(cmu_dir):
+  """Positions alone (no offsets) of a 1.1 m child: the same rotations as the adult's, and the
+  template scaled to the child's size, so FK and the written files keep it (they had the
+  template's adult skeleton: 137 mm from the input, the feet under the floor)."""
+  from ik_gat_jax import IKSolver
+  clip = exports.read_bvh_clip(cmu_dir / '07_05.bvh', skeleton.cmu_body(), max_frames=64)
+  solver = IKSolver.from_checkpoint()
+  root = clip.positions[:, :1]
+  adult = solver.solve(clip.positions, full=True)
+  child_pos = (clip.positions - root) * 0.65 + root
+  child = solver.solve(child_pos, full=True)
+  assert _max_angle_deg(child.local_rot, adult.local_rot) < 0.05
+  bones = np.linalg.norm(adult.offsets, axis=-1) > 1e-6
+  ratio = np.linalg.norm(child.offsets[bones], axis=-1) / np.linalg.norm(adult.offsets[bones],
+                                                                          axis=-1)
+  np.testing.assert_allclose(ratio, ratio[0], rtol=1e-6)
+  assert 0.6 < ratio[0] < 0.7, ratio[0]
+  err = lambda sol, pos: float(np.linalg.norm(sol.positions_fk - pos, axis=-1).mean())  # noqa
+  assert err(child, child_pos) < 0.8 * err(adult, clip.positions), (err(child, child_pos),
+                                                                    err(adult, clip.positions))
+
+
 def _max_angle_deg(A: np.ndarray, B: np.ndarray) -> float:
   """The largest angle (deg) between `A` and `B`'s rotations, in float64 in the atan2 form
   (`rotations.geodesic_angle`'s): arccos of (trace - 1) / 2 cannot resolve angles under ~0.03
