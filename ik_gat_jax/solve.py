@@ -244,9 +244,9 @@ def solve_file(input: str | Path, output: str | Path, *, checkpoint: str | None 
   offsets_source = ('fitted' if fit_offsets else 'offsets_from' if offsets_from is not None
                     else 'input' if offsets is not None else 'template')
   if offsets_source == 'template':
-    log('offsets: the rig\'s template (the input has none), so the rotations are relative to '
-        'its rest pose; --offsets_from=BVH gives the subject\'s own, --fit_offsets a skeleton '
-        'that reproduces the input')
+    log('offsets: the rig\'s template (the input has none; at the input\'s size where that is '
+        '10% or more off), so the rotations are relative to its rest pose; --offsets_from=BVH '
+        'gives the subject\'s own, --fit_offsets a skeleton that reproduces the input')
   if (kind == 'smpl' or smpl_npz is not None) and offsets_source in ('template', 'fitted'):
     log('SMPL trans: the root minus the rest root in the written offsets (not the body '
         'model\'s own, which a reader of trans adds): give its rest joints as the input npz\'s '
