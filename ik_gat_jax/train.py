@@ -29,6 +29,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -540,13 +541,37 @@ def export_latest(workdir: str | os.PathLike, output: str | os.PathLike, part: s
       'params': params, 'rest': rest,
       'opt_state': jax.eval_shape(create_optimizer(config.train).init, params),
       'step': jax.ShapeDtypeStruct((), jnp.int32), **({'ema': params} if has_ema else {})})
+  output = Path(output)
+  if output.exists() and not _exported_latest(output):
+    raise ValueError(f'{output} exists and is not an export_latest output (a run\'s checkpoint, '
+                     'an export with its card, another folder): give a new --output')
   tree, _ = src.restore(want)
   step = int(tree['step'])
-  out = checkpointing.Checkpointer(output, max_to_keep=1)
-  out.save(step, {'params': tree[part], 'rest': tree['rest']},
-           {**meta, 'metrics': {}, 'exported_from': {'run': str(workdir), 'part': part,
-                                                     'step': step}})
+  # Written beside it and swapped in whole: an earlier export replaced, nothing half-written.
+  tmp = output.parent / f'.{output.name}.tmp-{os.getpid()}'
+  shutil.rmtree(tmp, ignore_errors=True)
+  try:
+    out = checkpointing.Checkpointer(tmp, max_to_keep=1)
+    out.save(step, {'params': tree[part], 'rest': tree['rest']},
+             {**meta, 'metrics': {}, 'exported_from': {'run': str(workdir), 'part': part,
+                                                       'step': step}})
+    if output.exists():
+      shutil.rmtree(output)
+    os.replace(tmp, output)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
   return step
+
+
+def _exported_latest(path: Path) -> bool:
+  """Whether `path` is a folder `export_latest` wrote (its checkpoint's meta says so, and it
+  holds nothing else: no card, no run), which a new export may replace."""
+  if not path.is_dir() or any(not p.name.isdigit() for p in path.iterdir()):
+    return False
+  try:
+    return 'exported_from' in checkpointing.Checkpointer(path, create=False).restore_meta()
+  except Exception:  # pylint: disable=broad-except  (not a checkpoint: not one to replace)
+    return False
 
 
 class GracefulStop:

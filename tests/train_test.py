@@ -209,6 +209,16 @@ def test_ema_recurrence_and_the_best_checkpoint_holds_the_average(cmu_shards, tm
   assert meta['exported_from']['part'] == 'params' and meta['metrics'] == {}
   for r, p in zip(jax.tree.leaves(nnx.state(raw, nnx.Param)), jax.tree.leaves(latest['params'])):
     np.testing.assert_array_equal(np.asarray(r), np.asarray(p))
+  # Again to the same output: replaced whole; a folder it did not write (the run's own best,
+  # which it deleted for its step) refused, untouched.
+  assert train.export_latest(tmp_path / 'ema', tmp_path / 'raw', 'ema') == 4
+  assert inference.load_model(tmp_path / 'raw')[1]['exported_from']['part'] == 'ema'
+  best_dir = tmp_path / 'ema' / 'checkpoints' / 'best'
+  before = sorted(p.name for p in best_dir.iterdir())
+  with pytest.raises(ValueError, match='exists and is not an export_latest output'):
+    train.export_latest(tmp_path / 'ema', best_dir, 'params')
+  assert sorted(p.name for p in best_dir.iterdir()) == before
+  assert not [p for p in tmp_path.iterdir() if p.name.startswith('.')]
   off = tiny_config(cmu_shards, train=dict(steps=6, log_every=1, eval_every=3,
                                            checkpoint_every=100))
   lines = []
