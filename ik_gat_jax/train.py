@@ -1069,8 +1069,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
 
   def save_latest(step, status):
     if latest.latest_step() != step:  # a run finished but not recorded so has it already
+      # The losses of the steps since the last log row, which a resumed run's first row
+      # averages with its own (it averaged only its own: another loss than one run's).
+      unlogged = [float(x) for x in jax.device_get(progress.losses)]
       latest.save(step, saved_part(state),
-                  checkpoint_meta(config, rig, task, data_info, last_val))
+                  {**checkpoint_meta(config, rig, task, data_info, last_val),
+                   'unlogged_losses': unlogged})
     if chief:
       _write_run_json(workdir, {**manifest, 'status': status, 'step': step, 'val': last_val,
                                 'best_value': best_value})
@@ -1085,6 +1089,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
           jax.process_count(), end_sites=_wants_end_sites(config),
           window=inference.training_window(config))), depth=tc.get('prefetch', 2))
   progress = _Progress(step, pipeline)
+  if saved and step % tc.log_every:  # resumed off a log row: the steps since it, as one run
+    progress.losses = [np.float32(x) for x in saved.get('unlogged_losses', [])]  # as logged
   stopper = GracefulStop(log)
   # Several processes stop after the same step, or one would wait in the next step's
   # all-reduce while another saves: each step carries every process's stop flag, and all stop

@@ -236,6 +236,29 @@ def test_checkpoint_errors_are_clear(cmu_shards, tmp_path):
     inference.load_model(tmp_path / 'empty')
 
 
+def test_a_run_resumed_off_a_log_row_logs_the_losses_of_one_run(cmu_shards, tmp_path,
+                                                                 tiny_config):
+  """Resumed from step 4 with log rows every 3 steps: the row at step 6 averages steps 4-6, as
+  one uninterrupted run's (it averaged only 5-6, the steps the resumed run took)."""
+  c = tiny_config(cmu_shards, train=dict(steps=6, log_every=3, eval_every=3,
+                                         checkpoint_every=4))
+
+  def die_at_6(msg):
+    if msg.startswith('step 6/'):
+      raise RuntimeError('killed')
+
+  train.train_and_evaluate(c, tmp_path / 'straight', log=lambda m: None)
+  with pytest.raises(RuntimeError, match='killed'):
+    train.train_and_evaluate(c, tmp_path / 'resumed', log=die_at_6)
+  assert train.trained_step(tmp_path / 'resumed') == 4
+  train.train_and_evaluate(c, tmp_path / 'resumed', log=lambda m: None)
+  rows = {name: [(r['step'], r['loss']) for r in map(json.loads, (
+      tmp_path / name / 'log.jsonl').read_text().splitlines()) if r['kind'] == 'train']
+          for name in ('straight', 'resumed')}
+  assert [s for s, _ in rows['straight']] == [3, 6]
+  assert rows['resumed'] == rows['straight']
+
+
 def test_ctrl_c_mid_run_saves_and_resumes(cmu_shards, tmp_path):
   """A real SIGINT to `experiments.train`: the step in flight finishes, a checkpoint is saved,
   the exit status is 130, and rerunning the same command resumes and finishes."""
