@@ -65,6 +65,21 @@ def trained_steps(run: str | os.PathLike) -> int | None:
   return step if isinstance(step, int) else None
 
 
+def _training_commands(meta: dict) -> list[str]:
+  """The card's training command, or the commands of a run extended by another (its `history`:
+  each from the step it started at; the last alone does not reproduce the checkpoint)."""
+  history = meta.get('history') or []
+  if len(history) < 2:
+    return [f"Training command: `{_as_module(meta['command'])}`"]
+  lines = ['Trained by these commands in turn (the run extended, each from the step it started '
+           'at; the last alone does not reproduce it: its learning rate decayed over the first '
+           'steps count):', '']
+  for h in history:
+    lines.append(f"- steps {h.get('from_step')}-{h.get('steps')}: "
+                 f"`{_as_module(h.get('command') or '')}`")
+  return lines
+
+
 def card(meta: dict, test: dict | None, size_bytes: int, name: str,
          acknowledgment: str | None = ACK, test_heading: str = 'Test split',
          extra: str = '', trained: int | None = None) -> str:
@@ -78,7 +93,7 @@ def card(meta: dict, test: dict | None, size_bytes: int, name: str,
            f"size on disk: {size_bytes / 1e6:.1f} MB "
            '(parameters only, no optimizer state); checkpoint format version '
            f"{meta['format_version']}.", '',
-           f"Training command: `{_as_module(meta['command'])}`", '',
+           *_training_commands(meta), '',
            f"Data: shards {meta['data'].get('data_dir')} (rig sha256 "
            f"{meta['data'].get('rig_sha256')}, split sha256 {meta['data'].get('split_sha256')}).",
            f"Code: git {meta['provenance']['git_commit']}, JAX {meta['provenance']['jax_version']},"

@@ -520,6 +520,23 @@ def checkpoint_meta(config, rig: Rig, task: Task, data_info: dict, metrics_: dic
           'provenance': provenance.provenance(rig_hash=rig.fingerprint())}
 
 
+def command_history(run: dict | None, step: int, steps: int) -> list[dict]:
+  """The commands a run was trained by, each `{'command', 'from_step', 'steps'}`: `run`'s
+  (run.json's, None for a new run; one that predates the history counts its command as the
+  first) and this one, from `step` to `steps`, where its command or steps differ from the last
+  (a run extended with a higher --steps: its last command alone does not reproduce it, its
+  learning rate having decayed over the first count). A plain resume adds nothing."""
+  now = {'command': provenance.command_line(), 'from_step': int(step), 'steps': int(steps)}
+  if not run:
+    return [now]
+  history = list(run.get('history') or [{'command': run.get('command'), 'from_step': 0,
+                                          'steps': run.get('steps')}])
+  last = history[-1]
+  if (last.get('command'), last.get('steps')) != (now['command'], now['steps']):
+    history.append(now)
+  return history
+
+
 def export_latest(workdir: str | os.PathLike, output: str | os.PathLike, part: str = 'params',
                   task: Task = IKGAT_TASK) -> int:
   """Writes `part` ('params' or 'ema') of a run's `checkpoints/latest` as a model checkpoint at
@@ -1036,10 +1053,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     if int(state['step']) >= tc.steps:  # finished, but not recorded so (killed at the end)
       last_val = saved.get('metrics') or {}
     log(f'resumed from {latest.directory} at step {int(state["step"])}')
+  history = command_history(read_run(workdir) if saved else None, int(state['step']),
+                            int(tc.steps))
   manifest = {'command': provenance.command_line(), 'workdir': str(workdir.absolute()),
               'status': 'running', 'steps': int(tc.steps), 'task': task.name,
               'config': config.to_dict(), 'devices': mesh.size,
-              'processes': jax.process_count()}
+              'processes': jax.process_count(), 'history': history}
   if chief:
     _write_run_json(workdir, {**manifest, 'step': int(state['step'])})
     atomic.write_json(workdir / 'config.json', config.to_dict())
@@ -1065,7 +1084,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     if value < best_value:
       best_value = value
       best.save(step, saved_part(evaluated_part(state), ('params', 'rest')),
-                checkpoint_meta(config, rig, task, data_info, last_val))
+                {**checkpoint_meta(config, rig, task, data_info, last_val),
+                 'history': history})
 
   def save_latest(step, status):
     if latest.latest_step() != step:  # a run finished but not recorded so has it already
@@ -1074,7 +1094,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
       unlogged = [float(x) for x in jax.device_get(progress.losses)]
       latest.save(step, saved_part(state),
                   {**checkpoint_meta(config, rig, task, data_info, last_val),
-                   'unlogged_losses': unlogged})
+                   'history': history, 'unlogged_losses': unlogged})
     if chief:
       _write_run_json(workdir, {**manifest, 'status': status, 'step': step, 'val': last_val,
                                 'best_value': best_value})
@@ -1148,11 +1168,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   writer.close()
   if val_data is None and best.latest_step() != step:
     best.save(step, saved_part(evaluated_part(state), ('params', 'rest')),
-              checkpoint_meta(config, rig, task, data_info, {}))
+              {**checkpoint_meta(config, rig, task, data_info, {}), 'history': history})
   elif best.latest_step() is None:  # deleted: the evaluations, the export and solve need one
     log(f'no best checkpoint in {best.directory}: the last step ({step}) saved as the best')
     best.save(step, saved_part(evaluated_part(state), ('params', 'rest')),
-              checkpoint_meta(config, rig, task, data_info, last_val or {}))
+              {**checkpoint_meta(config, rig, task, data_info, last_val or {}),
+               'history': history})
   log(f'done: step {step}' + (f', val {task.best_metric} {last_val[task.best_metric]:.3f} '
                               f'(best {best_value:.3f})' if last_val else ''))
   return last_val

@@ -153,7 +153,7 @@ def test_resume_with_another_config_or_other_data_is_refused(cmu_shards, tiny_co
 
   cases = [
       (config(**{'train.lr': 2e-3}), r'was trained with --config\.train\.lr=0\.001 \(this config '
-       r'0\.002\): rerun its command \(run\.json: python -m .*\) to resume it, or use a new '
+       r'0\.002\): rerun its command \(run\.json: .*\) to resume it, or use a new '
        r'--workdir$'),
       (config(**{'train.batch_size': 64}), r'--config\.train\.batch_size=32 \(this config 64\)'),
       (config(seed=1, **{'augment.mirror': 0.0}),
@@ -376,7 +376,7 @@ def test_mains_run_from_any_directory_and_answer_reruns_in_one_line(cmu_shards, 
     first[k] = said[0]
   # A refused rerun names what resumes the run: the command run.json records (it named
   # config.json, which --config cannot read).
-  assert 'rerun its command (run.json: python -m ' in first['other_lr'], first
+  assert 'rerun its command (run.json: ' in first['other_lr'], first
   assert sorted(p.name for p in tmp_path.iterdir()) == ['c.json', 'elsewhere', 'lower', 'run']
   assert _snapshot(finished) == before['done'] and _snapshot(lower) == before['lower']
 
@@ -421,3 +421,26 @@ def test_a_damaged_prior_report_is_written_again(tmp_path):
   assert train_prior._readable(tmp_path / 'ok.json')
   assert not train_prior._readable(tmp_path / 'cut.json')
   assert not train_prior._readable(tmp_path / 'missing.json')
+
+
+def test_a_run_extended_by_another_command_records_both(monkeypatch):
+  """A run trained to 20 steps, then extended to 40 by another --steps: run.json and the
+  checkpoints keep both commands (the last alone, which the card gave, does not reproduce the
+  checkpoint: its learning rate decayed over 20 steps first), and the card lists them; a plain
+  resume by the same command adds nothing."""
+  from experiments import export_checkpoint
+  from ik_gat_jax import provenance
+  first = 'python -m experiments.train --data=D --workdir=W --steps=20'
+  then = 'python -m experiments.train --data=D --workdir=W --steps=40'
+  monkeypatch.setattr(provenance, 'command_line', lambda: first)
+  assert train.command_history(None, 0, 20) == [{'command': first, 'from_step': 0, 'steps': 20}]
+  monkeypatch.setattr(provenance, 'command_line', lambda: then)
+  old_run = {'command': first, 'steps': 20, 'step': 20}  # a run.json from before the history
+  history = train.command_history(old_run, 20, 40)
+  assert history == [{'command': first, 'from_step': 0, 'steps': 20},
+                     {'command': then, 'from_step': 20, 'steps': 40}]
+  assert train.command_history({**old_run, 'history': history}, 31, 40) == history
+  lines = export_checkpoint._training_commands({'command': then, 'history': history})
+  assert lines[-2:] == [f'- steps 0-20: `{first}`', f'- steps 20-40: `{then}`'], lines
+  assert export_checkpoint._training_commands({'command': then, 'history': history[:1]}) == [
+      f'Training command: `{then}`']
