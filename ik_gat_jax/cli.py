@@ -12,7 +12,8 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    'solve': 'joint positions (.npz/.csv/.bvh) -> joint rotations (.bvh/.npz/.smpl.npz)',
+    'solve': 'joint positions (.npz/.csv/.bvh) -> joint rotations (.bvh/.glb/.fbx/.npz/'
+             '.smpl.npz)',
 }
 
 
@@ -20,7 +21,7 @@ def usage(prog: str = 'ik-gat') -> str:
   lines = [f'usage: {prog} COMMAND [--flags]', '', 'commands:']
   lines += [f'  {name:8s} {text}' for name, text in COMMANDS.items()]
   lines += ['', f'`{prog} COMMAND --help` lists the flags of a command, e.g.',
-            f'  {prog} solve --input=walk.npz --output=walk.bvh --checkpoint=runs/b1_base']
+            f'  {prog} solve --input=walk.npz --output=walk.bvh --checkpoint=ikgat_fast']
   return '\n'.join(lines)
 
 

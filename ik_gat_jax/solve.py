@@ -544,8 +544,8 @@ def define_flags() -> None:
                     'the error within 0.002 deg of float32\'s on CMU; BENCHMARKS.md).')
   flags.DEFINE_integer('refine_iters', 0, 'Refine IK-GAT with this many anchored iterations '
                        'of the rotation solver, root translation fitted (amortized + refine; 50 '
-                       'for noisy trackers: joints closer to the truth than the input, ~2x the '
-                       'time; BENCHMARKS.md).', lower_bound=0)
+                       'for noisy trackers: joints closer to the truth than the input, about a '
+                       'sixth of the network\'s frames/s; README "Results").', lower_bound=0)
   s('refine_prior', 'shipped', 'The refinement\'s pose prior: shipped (checkpoints/prior where it '
     'is for the checkpoint\'s rig, else none), a prior run or checkpoint directory, or none.')
   flags.DEFINE_boolean('mirror', False, 'Mirror averaging: the network also solves the mirror '

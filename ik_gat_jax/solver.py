@@ -65,7 +65,8 @@ traced nor lowered. With bfloat16 products (`matmul_precision`,
 
 Input checks (`check_positions`, `check_plausibility`): wrong shape or joint count and NaN/inf
 raise `InputError` (a ValueError) naming the expected joints or the frame and joint; bone
-lengths ~100x (or 0.01x) the template's and a head below the pelvis on average warn with the
+lengths 4x (or under a quarter of) the template's, a head below the pelvis on average and a
+mirrored body warn with the
 likely fix (`--units`, `--input_axes`), attributed to the caller's line; a single frame's
 kind of warning is said once per solver (a live loop calling `solve`); float16 positions
 warn that they carry 1 mm steps at 1 m (`exports.half_precision`), once per solver. `step` and

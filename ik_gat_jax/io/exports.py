@@ -3,7 +3,7 @@
 Readers return positions `[T, J, 3]` in the rig's joint order:
 - npz: key `positions` (or the only array), `[T, J, 3]` or `[J, 3]`, input units; optional
   `joint_names` (reordered to the rig's by name; a namespace they all carry dropped), `fps`,
-  `offsets [J, 3]` (metres).
+  `offsets [J, 3]` (in the positions' units and axes, converted with them).
 - csv: one frame per row, J x 3 columns (x, y, z per joint in rig order), comma, semicolon, tab
   or whitespace separated (the first row's separator, a semicolon before a tab before a comma,
   holds for the file; with a semicolon or a tab, decimal commas are read); a header row is
