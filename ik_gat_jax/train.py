@@ -478,7 +478,9 @@ class MetricWriter:
   def write(self, step: int, kind: str, values: dict) -> None:
     if self.jsonl is None:
       return
-    self.jsonl.write(json.dumps({'step': step, 'kind': kind, 'time': time.time(), **values}) + '\n')
+    row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)  # JSON: no NaN
+           for k, v in {'step': step, 'kind': kind, 'time': time.time(), **values}.items()}
+    self.jsonl.write(json.dumps(row) + '\n')
     self.jsonl.flush()
     if self.tb is not None:
       for k, v in values.items():
@@ -626,6 +628,11 @@ class GracefulStop:
     for sig, handler in self._old.items():
       signal.signal(sig, handler)
     self._old = {}
+
+
+class TrainingDiverged(ValueError):
+  """The training loss became NaN or infinite (one line on the command line, run.json
+  'failed')."""
 
 
 class _AllStop(KeyboardInterrupt):
@@ -1137,7 +1144,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
             f'{vals["pipeline_frames_per_s"]:,.0f} frames/s | '
             f'ETA {_fmt_eta((tc.steps - step) / max(progress.steps_per_s(step), 1e-9))}')
         if not np.isfinite(vals['loss']):
-          raise FloatingPointError(f'loss became {vals["loss"]} at step {step}')
+          saved_step = latest.latest_step()
+          if chief:  # not 'running' for good: a rerun resumes from the last checkpoint
+            _write_run_json(workdir, {**manifest, 'status': 'failed', 'step': saved_step,
+                                      'val': last_val, 'best_value': best_value,
+                                      'reason': f'loss became {vals["loss"]} at step {step}'})
+          last = f'step {saved_step}' if saved_step else 'none'
+          raise TrainingDiverged(
+              f'loss became {vals["loss"]} at step {step}: the run diverged (a lower '
+              f'--config.train.lr?); its last checkpoint ({last}) stands, and a rerun from it '
+              'diverges the same way (training is deterministic)')
       if step % tc.eval_every == 0 or step == tc.steps:
         run_validation(step)
       if step % tc.checkpoint_every == 0 and step < tc.steps:

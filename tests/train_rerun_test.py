@@ -444,3 +444,18 @@ def test_a_run_extended_by_another_command_records_both(monkeypatch):
   assert lines[-2:] == [f'- steps 0-20: `{first}`', f'- steps 20-40: `{then}`'], lines
   assert export_checkpoint._training_commands({'command': then, 'history': history[:1]}) == [
       f'Training command: `{then}`']
+
+
+def test_a_diverged_run_is_one_line_and_recorded_failed(cmu_shards, tiny_config, tmp_path):
+  """A loss that became NaN: a one-line error (TrainingDiverged, a ValueError the mains print
+  as `error: ...`; it was a FloatingPointError traceback), run.json 'failed' with the reason
+  (it said 'running' for good), and log.jsonl strict JSON (it held bare NaN)."""
+  c = tiny_config(cmu_shards, train=dict(steps=4, log_every=2, eval_every=100,
+                                         checkpoint_every=100, lr=1e30, warmup_steps=0))
+  with pytest.raises(train.TrainingDiverged, match=r'^loss became nan at step 2: the run '
+                     r'diverged .*its last checkpoint \(none\) stands'):
+    train.train_and_evaluate(c, tmp_path / 'run', log=lambda m: None)
+  run = json.loads((tmp_path / 'run' / 'run.json').read_text())
+  assert run['status'] == 'failed' and run['reason'] == 'loss became nan at step 2'
+  rows = [_strict_json(x) for x in (tmp_path / 'run' / 'log.jsonl').read_text().splitlines()]
+  assert rows and rows[-1]['loss'] is None
