@@ -31,6 +31,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -630,6 +631,32 @@ class GracefulStop:
     self._old = {}
 
 
+LOCK_FILE = '.lock'
+
+
+def hold_workdir(workdir: Path):
+  """Locks `workdir` for this process's training (`fcntl.flock` on WORKDIR/.lock, which the
+  kernel releases when the process ends, so a killed run still resumes); the open file, held
+  while the lock is. A second training of the same workdir is refused, naming the first (two
+  ran side by side, deleting each other's checkpoints, and one's log was lost)."""
+  import fcntl  # pylint: disable=import-outside-toplevel  (POSIX; Windows has none)
+  f = open(workdir / LOCK_FILE, 'a+')  # pylint: disable=consider-using-with
+  try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    f.seek(0)
+    holder = f.read().strip() or 'another process'
+    f.close()
+    raise ValueError(f'{workdir} is being trained by {holder}: wait for it or stop it, or use '
+                     'a new --workdir') from None
+  f.seek(0)
+  f.truncate()
+  f.write(f'process {os.getpid()} on {socket.gethostname()} since '
+          f'{time.strftime("%Y-%m-%d %H:%M:%S")}\n')
+  f.flush()
+  return f
+
+
 class TrainingDiverged(ValueError):
   """The training loss became NaN or infinite (one line on the command line, run.json
   'failed')."""
@@ -1033,6 +1060,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         f'{", mirror-averaged" if tc.get("distill_mirror", False) else ""} (loss.distill_weight '
         f'{config.loss.get("distill_weight", 1.0)})')
   workdir.mkdir(parents=True, exist_ok=True)
+  lock = hold_workdir(workdir) if chief else None  # until this function ends (its frame goes)
   latest = checkpointing.Checkpointer(workdir / 'checkpoints' / 'latest', max_to_keep=1)
   state = place_state(state, mesh)  # first: the abstract tree below takes this mesh's shardings
   best = checkpointing.Checkpointer(workdir / 'checkpoints' / 'best', max_to_keep=1)
@@ -1177,6 +1205,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
       log(f'interrupted at step {step}; checkpoint saved. Rerun the same command to resume.')
     writer.close()
     raise
+  except BaseException:
+    if lock is not None:  # now, not when the traceback's frames go: a rerun in this process
+      lock.close()
+    raise
   finally:
     stopper.restore()
     pipeline.close()
@@ -1192,6 +1224,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                'history': history})
   log(f'done: step {step}' + (f', val {task.best_metric} {last_val[task.best_metric]:.3f} '
                               f'(best {best_value:.3f})' if last_val else ''))
+  if lock is not None:
+    lock.close()  # released; a stop or error releases it with the function's frame
   return last_val
 
 

@@ -459,3 +459,26 @@ def test_a_diverged_run_is_one_line_and_recorded_failed(cmu_shards, tiny_config,
   assert run['status'] == 'failed' and run['reason'] == 'loss became nan at step 2'
   rows = [_strict_json(x) for x in (tmp_path / 'run' / 'log.jsonl').read_text().splitlines()]
   assert rows and rows[-1]['loss'] is None
+
+
+def test_a_workdir_being_trained_refuses_a_second_training(cmu_shards, tiny_config, tmp_path):
+  """Two trainings of one workdir (a second terminal, a scheduler's requeue) ran side by side,
+  deleting each other's checkpoints, one's log lost, both exit 0: the second is refused,
+  naming the first; once the first is done (or dead: the kernel drops its lock) it may run."""
+  c = tiny_config(cmu_shards, train=dict(steps=4, log_every=2, eval_every=2,
+                                         checkpoint_every=100))
+  run = tmp_path / 'run'
+  said = []
+
+  def second_training(msg):
+    if msg.startswith('step 2/') and not said:
+      with pytest.raises(ValueError, match=rf'^{re.escape(str(run))} is being trained by '
+                         rf'process {os.getpid()} on .* since .*: wait for it or stop it'):
+        train.train_and_evaluate(c, run, log=said.append)
+      said.append('refused')
+
+  train.train_and_evaluate(c, run, log=second_training)
+  assert said == ['refused'] and json.loads((run / 'run.json').read_text())['status'] == 'done'
+  c.train.steps = 6
+  train.train_and_evaluate(c, run, log=lambda m: None)  # the first done: the lock is free
+  assert json.loads((run / 'run.json').read_text())['step'] == 6
