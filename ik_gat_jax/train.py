@@ -1204,6 +1204,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
       save_latest(step, 'interrupted')
       log(f'interrupted at step {step}; checkpoint saved. Rerun the same command to resume.')
     writer.close()
+    if lock is not None:
+      lock.close()
     raise
   except BaseException:
     if lock is not None:  # now, not when the traceback's frames go: a rerun in this process
