@@ -243,9 +243,19 @@ class Checkpointer:
     if step is None:
       d = Path(self.directory)
       hint = ''
-      if d.name == 'best' and _has_step(d.parent / 'latest'):  # a run's best deleted
-        hint = (f' (deleted?); {d.parent / "latest"} holds the run\'s last step: rerun its '
-                'training command (run.json\'s "command"), which saves that step as the best')
+      if d.name == 'best' and _has_step(d.parent / 'latest'):
+        try:
+          run = json.loads((d.parent.parent / 'run.json').read_text())
+        except (OSError, ValueError):
+          run = {}
+        if run.get('status') != 'done' and isinstance(run.get('step'), int) and isinstance(
+            run.get('steps'), int) and run['step'] < run['steps']:  # not validated yet
+          hint = (f' yet: the run stopped at step {run["step"]} of {run["steps"]}, before its '
+                  'first validation (train.eval_every): rerun its training command (run.json\'s '
+                  '"command") to train on, or experiments.export_latest for its last step')
+        else:  # a finished run's best deleted
+          hint = (f' (deleted?); {d.parent / "latest"} holds the run\'s last step: rerun its '
+                  'training command (run.json\'s "command"), which saves that step as the best')
       raise CheckpointError(f'no checkpoint found in {self.directory}{hint}')
     return step
 

@@ -831,6 +831,8 @@ def _check_resumable(workdir: Path, config) -> dict | None:
   if step is None:
     run = read_run(workdir)
     best = _checkpoint_step(workdir / 'checkpoints' / 'best')
+    if (run or {}).get('status') in ('running', 'failed') and not (run or {}).get('step'):
+      return None  # killed (or diverged) before its first checkpoint: nothing to resume
     if (run or {}).get('step') or best is not None:  # a fresh run would overwrite what is left
       raise checkpointing.CheckpointError(
           f'{workdir} holds a run (run.json at step {(run or {}).get("step")}, best checkpoint '
@@ -1018,6 +1020,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   if several:  # before anything reads the workdir: each process must see the same one
     _check_shared_workdir(workdir)
   saved = _check_resumable(workdir, config)  # refusals first: nothing written yet
+  restart = saved is None and read_run(workdir) is not None
+  if restart:
+    log(f'{workdir}: its run stopped before its first checkpoint (run.json step 0; '
+        'train.checkpoint_every): nothing to resume, trained again from step 0')
   done = finished_run(workdir, int(tc.steps)) if saved is not None else None
   if done is not None:  # other data is refused as for an unfinished run (memory-mapped: cheap)
     _check_same_data(workdir, saved,
@@ -1061,6 +1067,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         f'{config.loss.get("distill_weight", 1.0)})')
   workdir.mkdir(parents=True, exist_ok=True)
   lock = hold_workdir(workdir) if chief else None  # until this function ends (its frame goes)
+  if restart and chief:  # its early validations' best: made again (training is deterministic)
+    shutil.rmtree(workdir / 'checkpoints' / 'best', ignore_errors=True)
   latest = checkpointing.Checkpointer(workdir / 'checkpoints' / 'latest', max_to_keep=1)
   state = place_state(state, mesh)  # first: the abstract tree below takes this mesh's shardings
   best = checkpointing.Checkpointer(workdir / 'checkpoints' / 'best', max_to_keep=1)

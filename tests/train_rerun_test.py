@@ -482,3 +482,37 @@ def test_a_workdir_being_trained_refuses_a_second_training(cmu_shards, tiny_conf
   c.train.steps = 6
   train.train_and_evaluate(c, run, log=lambda m: None)  # the first done: the lock is free
   assert json.loads((run / 'run.json').read_text())['step'] == 6
+
+
+def test_a_run_stopped_before_its_first_checkpoint_or_validation(cmu_shards, tiny_config,
+                                                                 tmp_path):
+  """Killed after a validation (best saved) but before its first `latest`: the same command
+  trains it again from step 0 (it was refused for good, blaming a deletion). Stopped before its
+  first validation: loading it says so and how to go on (it said 'deleted?' and that a rerun
+  'saves that step as the best')."""
+  from ik_gat_jax import inference
+  c = tiny_config(cmu_shards, train=dict(steps=4, log_every=1, eval_every=2,
+                                         checkpoint_every=100))
+
+  def killed_at_3(msg):
+    if msg.startswith('step 3/'):
+      raise RuntimeError('killed')
+
+  with pytest.raises(RuntimeError, match='killed'):
+    train.train_and_evaluate(c, tmp_path / 'killed', log=killed_at_3)
+  assert train.trained_step(tmp_path / 'killed') is None
+  lines = []
+  train.train_and_evaluate(c, tmp_path / 'killed', log=lines.append)
+  assert any('stopped before its first checkpoint' in m for m in lines), lines
+  assert json.loads((tmp_path / 'killed' / 'run.json').read_text())['status'] == 'done'
+  late = tiny_config(cmu_shards, train=dict(steps=4, log_every=1, eval_every=100,
+                                            checkpoint_every=100))
+
+  def _stop_at_1(msg):  # Ctrl-C: the trainer saves `latest` at step 1
+    if msg.startswith('step 1/'):
+      raise KeyboardInterrupt
+  with pytest.raises(KeyboardInterrupt):
+    train.train_and_evaluate(late, tmp_path / 'early', log=_stop_at_1)
+  with pytest.raises(checkpointing.CheckpointError, match=r'best yet: the run stopped at step 1 '
+                     r'of 4, before its first validation'):
+    inference.load_model(tmp_path / 'early')
