@@ -1020,10 +1020,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   if several:  # before anything reads the workdir: each process must see the same one
     _check_shared_workdir(workdir)
   saved = _check_resumable(workdir, config)  # refusals first: nothing written yet
-  restart = saved is None and read_run(workdir) is not None
-  if restart:
-    log(f'{workdir}: its run stopped before its first checkpoint (run.json step 0; '
-        'train.checkpoint_every): nothing to resume, trained again from step 0')
+  restart = saved is None and read_run(workdir) is not None  # said once the workdir is ours
   done = finished_run(workdir, int(tc.steps)) if saved is not None else None
   if done is not None:  # other data is refused as for an unfinished run (memory-mapped: cheap)
     _check_same_data(workdir, saved,
@@ -1067,8 +1064,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         f'{config.loss.get("distill_weight", 1.0)})')
   workdir.mkdir(parents=True, exist_ok=True)
   lock = hold_workdir(workdir) if chief else None  # until this function ends (its frame goes)
-  if restart and chief:  # its early validations' best: made again (training is deterministic)
-    shutil.rmtree(workdir / 'checkpoints' / 'best', ignore_errors=True)
+  if restart:
+    log(f'{workdir}: its run stopped before its first checkpoint (run.json step 0; '
+        'train.checkpoint_every): nothing to resume, trained again from step 0')
+    if chief:  # its early validations' best: made again (training is deterministic)
+      shutil.rmtree(workdir / 'checkpoints' / 'best', ignore_errors=True)
   latest = checkpointing.Checkpointer(workdir / 'checkpoints' / 'latest', max_to_keep=1)
   state = place_state(state, mesh)  # first: the abstract tree below takes this mesh's shardings
   best = checkpointing.Checkpointer(workdir / 'checkpoints' / 'best', max_to_keep=1)
