@@ -71,9 +71,9 @@ def _training_commands(meta: dict) -> list[str]:
   history = meta.get('history') or []
   if len(history) < 2:
     return [f"Training command: `{_as_module(meta['command'])}`"]
-  lines = ['Trained by these commands in turn (the run extended, each from the step it started '
-           'at; the last alone does not reproduce it: its learning rate decayed over the first '
-           'steps count):', '']
+  lines = [f"Training command: `{_as_module(meta['command'])}`, the last of these in turn (the "
+           'run extended, each from the step it started at; the last alone does not reproduce '
+           'it: its learning rate decayed over the first steps count):', '']
   for h in history:
     lines.append(f"- steps {h.get('from_step')}-{h.get('steps')}: "
                  f"`{_as_module(h.get('command') or '')}`")

@@ -442,6 +442,8 @@ def test_a_run_extended_by_another_command_records_both(monkeypatch):
   assert train.command_history({**old_run, 'history': history}, 31, 40) == history
   lines = export_checkpoint._training_commands({'command': then, 'history': history})
   assert lines[-2:] == [f'- steps 0-20: `{first}`', f'- steps 20-40: `{then}`'], lines
+  # The line an export's card is recognised by (a re-export to it replaces it) stays.
+  assert lines[0].startswith(f'Training command: `{then}`, the last of these'), lines
   assert export_checkpoint._training_commands({'command': then, 'history': history[:1]}) == [
       f'Training command: `{then}`']
 
