@@ -216,6 +216,13 @@ def read_test_json(path: str | os.PathLike, run: str | os.PathLike, task: str) -
     raise ValueError(f'--test_json {path} holds {method!r} on the {split} split'
                      f'{" of " + str(ckpt) if ckpt else ""}, and the card calls it this run\'s '
                      f'{task} on the test split: evaluate this run with --split=test')
+  measured = (test.get('settings') or {}).get('trained_steps')
+  best = Path(run) / 'checkpoints' / 'best'
+  now = (checkpointing.Checkpointer(best, create=False).latest_step() if best.is_dir()
+         else None)
+  if isinstance(measured, int) and now is not None and measured != now:  # trained on since
+    raise ValueError(f'--test_json {path} measured the checkpoint of step {measured}, and the '
+                     f'run\'s best is now step {now}: evaluate this run on the test split again')
   return test
 
 

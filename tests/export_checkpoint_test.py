@@ -66,7 +66,8 @@ def test_a_test_json_must_be_this_run_s_test_split(tiny_ikgat_run, tmp_path):
   ok = dict(fields, method='ikgat', split='test', settings={'checkpoint': str(tiny_ikgat_run)})
   cases = {'ok': ok, 'swing': dict(ok, method='swing'), 'val': dict(ok, split='val'),
            'other': dict(ok, settings={'checkpoint': str(tmp_path / 'other_run')}),
-           'bare': {'method': 'ikgat', 'split': 'test'}}
+           'bare': {'method': 'ikgat', 'split': 'test'},
+           'older': dict(ok, settings={'checkpoint': str(tiny_ikgat_run), 'trained_steps': 3})}
   for name, doc in cases.items():
     (tmp_path / f'{name}.json').write_text(json.dumps(doc))
   (tmp_path / 'cut.json').write_text('{"method": "ikg')
@@ -75,6 +76,8 @@ def test_a_test_json_must_be_this_run_s_test_split(tiny_ikgat_run, tmp_path):
                       ('val', r"holds 'ikgat' on the val split"),
                       ('other', r"holds 'ikgat' on the test split of .*other_run"),
                       ('bare', r'lacks frames, local_rot_err_deg'),
-                      ('cut', r'cut.json is not JSON')):
+                      ('cut', r'cut.json is not JSON'),
+                      ('older', r'measured the checkpoint of step 3, and the run.s best is now '
+                                r'step \d+: evaluate this run on the test split again')):
     with pytest.raises(ValueError, match=match):
       export_checkpoint.read_test_json(tmp_path / f'{name}.json', tiny_ikgat_run, 'ikgat')
