@@ -1088,8 +1088,9 @@ def _numpy_inputs(sparse: dict | None) -> dict[str, np.ndarray] | None:
 
 
 def _refine_prior(prior: str | os.PathLike | None, rig: Rig):
-  """The refinement's pose prior model (`IKSolver.from_checkpoint`'s `refine_prior`) or None."""
-  if prior is None:
+  """The refinement's pose prior model (`IKSolver.from_checkpoint`'s `refine_prior`) or None
+  (None, or 'none' / '' as the command line spells it: no prior)."""
+  if prior is None or str(prior).strip().lower() in ('', 'none'):
     return None
   if str(prior) == 'shipped':
     path = Path(inference.SHIPPED_PRIOR)
