@@ -502,6 +502,11 @@ def warning_kind(msg: str) -> str:
 REFINE_SCALE_TOL = 0.04
 
 
+# The refinement's step sizes and keep-best rule are tuned at 50 iterations: 5-20 leave the
+# joints farther from the input than the network's own solution (MPJPE on clean CMU val;
+# `experiments.evaluate --split=val --method=ikgat --max_frames=400 --refine_iters=N`).
+REFINE_MIN_ITERS = 30
+
 # Positions alone of a body this much larger or smaller than the template (a child, a tall
 # adult) get the template scaled to their size; within it (CMU's subjects, 0.97-1.04x) the
 # template as it is.
@@ -1371,6 +1376,10 @@ class IKSolver:
       raise InputError('give offsets or offsets_from, not both')
     if not (isinstance(refine_iters, (int, np.integer)) and refine_iters >= 0):
       raise InputError(f'refine_iters must be a whole number >= 0 (0: off), got {refine_iters!r}')
+    if 0 < refine_iters < REFINE_MIN_ITERS:
+      warn_caller(f'refine_iters={refine_iters}: a refinement of fewer than {REFINE_MIN_ITERS} '
+                  'iterations fits the positions worse than the network alone (its settings '
+                  'are tuned at 50: README "Which model for what")')
     if path is None:
       if not Path(inference.SHIPPED_IKGAT).is_dir():
         raise CheckpointError(
