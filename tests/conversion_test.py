@@ -381,6 +381,34 @@ def test_command_line_reports_bad_input_in_one_line(tmp_path):
   assert not (tmp_path / 'out').exists()
 
 
+def test_a_cmu_file_without_the_joints_its_map_only_prunes_converts(tmp_path, cmu_dir):
+  """cgspeed CMU re-exported without fingers and thumbs (as this project's own BVH of a CMU
+  file is): cmu_body's joint map only prunes them, so the file converts, to the same frames
+  (it was refused: 'names joints the BVH does not have')."""
+  from ik_gat_jax.skeleton import depth_first_order
+  m = bvh.read_bvh(cmu_dir / '07_01.bvh')
+  m = dataclasses.replace(m, motion=m.motion[:41])
+  gone = {j for n in ('LeftFingerBase', 'LThumb', 'RightFingerBase', 'RThumb')
+          for j in depth_first_order(m.parents, m.names.index(n))}
+  keep = [j for j in range(len(m.joints)) if j not in gone]
+  new_index = {j: k for k, j in enumerate(keep)}
+  joints = [dataclasses.replace(m.joints[j], parent=new_index.get(m.joints[j].parent, -1))
+            for j in keep]
+  cols = np.concatenate([np.arange(len(m.joints[j].channels)) + m.channel_slice(j).start
+                         for j in keep])
+  for d in ('full', 'bare'):
+    (tmp_path / d).mkdir()
+  bvh.write_bvh(tmp_path / 'full' / '07_01.bvh', m, precision=None)
+  bvh.write_bvh(tmp_path / 'bare' / '07_01.bvh',
+                bvh.BVHMotion(joints, m.frame_time, m.motion[:, cols]), precision=None)
+  for d in ('full', 'bare'):
+    conversion.convert(tmp_path / d, 'cmu_body', tmp_path / f'out_{d}', split='train',
+                       log=quiet)
+  a, b = (data.load_shards(tmp_path / f'out_{d}', 'train') for d in ('full', 'bare'))
+  assert a.num_frames == b.num_frames == 10
+  np.testing.assert_allclose(np.asarray(b.positions), np.asarray(a.positions), atol=1e-9)
+
+
 def test_files_added_to_a_derived_rig_keep_its_joints(tmp_path, cmu_dir):
   """--rig=auto adding files to a folder keeps the rig it derived: a joint that holds still in
   the new files (an elbow a tracker lost) is still a rig joint (refused before: the rig was

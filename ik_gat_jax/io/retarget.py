@@ -303,11 +303,14 @@ def plan_reduction(src_names: Sequence[str], src_parents: Sequence[int], jmap: J
   """
   index = {n: i for i, n in enumerate(src_names)}
   to_rig = dict(jmap.joints)
-  missing = [n for n in list(to_rig) + list(jmap.prune) if n not in index]
+  # A joint it only prunes may be absent (a CMU file re-exported without its fingers, this
+  # project's own BVH of one): there is nothing of it to leave out. A mapped one may not.
+  missing = [n for n in to_rig if n not in index]
   if missing:
     raise ConversionError(f'joint map {jmap.name} names joints the BVH does not have: '
                           f'{", ".join(missing)}')
-  pruned = {j for p in jmap.prune for j in skeleton.depth_first_order(src_parents, index[p])}
+  pruned = {j for p in jmap.prune if p in index
+            for j in skeleton.depth_first_order(src_parents, index[p])}
   mapped = [j for j, n in enumerate(src_names) if n in to_rig]
   both = [src_names[j] for j in mapped if j in pruned]
   if both:
