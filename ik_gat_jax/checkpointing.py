@@ -186,6 +186,15 @@ class Checkpointer:
     self._manager.wait_until_finished()
 
   def restore_meta(self, step: int | None = None) -> dict:
+    if step is None:  # the latest; replaced while read (a training's best): the new one
+      for attempt in range(3):
+        latest = self._resolve(None)
+        try:
+          return self.restore_meta(latest)
+        except CheckpointError:
+          if (self.directory / str(latest)).exists() or attempt == 2:
+            raise
+          self._manager.reload()
     step = self._resolve(step)
     ocp = self._ocp
     try:
@@ -204,7 +213,22 @@ class Checkpointer:
     return dict(meta)
 
   def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
-    """Restores `(state, meta)`; `abstract_state` gives shapes, dtypes and shardings."""
+    """Restores `(state, meta)`; `abstract_state` gives shapes, dtypes and shardings. Without
+    `step`, the latest: where a trainer replaced it while it was read (a run's `best` while it
+    trains: max_to_keep=1 deletes the step it saved before), the new latest, read again."""
+    if step is not None:
+      return self._restore(abstract_state, step)
+    for attempt in range(3):
+      latest = self._resolve(None)
+      try:
+        return self._restore(abstract_state, latest)
+      except CheckpointError:
+        if (self.directory / str(latest)).exists() or attempt == 2:
+          raise
+        self._manager.reload()  # the step was deleted under us: read the one that replaced it
+    raise AssertionError('unreachable')
+
+  def _restore(self, abstract_state: Any, step: int) -> tuple[Any, dict]:
     step = self._resolve(step)
     meta = self.restore_meta(step)
     saved = self._saved_tree(step)

@@ -312,3 +312,21 @@ def test_a_shipped_checkpoint_loads_by_name_from_anywhere(tmp_path, monkeypatch)
     inference.checkpoint_path('no_such_model')  # a name of nothing: the shipped ones listed
   (tmp_path / 'ikgat_fast').mkdir()
   assert inference.checkpoint_path('ikgat_fast') == Path('ikgat_fast')
+
+
+def test_reading_the_latest_while_a_trainer_replaces_it(tmp_path):
+  """A reader of a run's best while it trains (evaluate, solve on RUN): the trainer saves a
+  new step and deletes the one the reader listed (max_to_keep=1); the reader reads the new one
+  (it failed, 'a corrupt or truncated array file?')."""
+  tree = {'w': np.arange(4.0, dtype=np.float32)}
+  writer = checkpointing.Checkpointer(tmp_path / 'best', max_to_keep=1)
+  writer.save(1, tree, {'metrics': {'v': 1.0}})
+  reader = checkpointing.Checkpointer(tmp_path / 'best', create=False)
+  assert reader.latest_step() == 1  # listed
+  writer.save(2, {'w': tree['w'] + 1}, {'metrics': {'v': 2.0}})  # step 1 deleted
+  assert not (tmp_path / 'best' / '1').exists()
+  got, meta = reader.restore(checkpointing.abstract_like(tree))
+  assert meta['step'] == 2 and meta['metrics'] == {'v': 2.0}
+  np.testing.assert_array_equal(np.asarray(got['w']), tree['w'] + 1)
+  writer.save(3, tree, {'metrics': {'v': 3.0}})
+  assert reader.restore_meta()['step'] == 3
