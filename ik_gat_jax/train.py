@@ -1134,10 +1134,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     if latest.latest_step() != step:  # a run finished but not recorded so has it already
       # The losses of the steps since the last log row, which a resumed run's first row
       # averages with its own (it averaged only its own: another loss than one run's).
-      unlogged = [float(x) for x in jax.device_get(progress.losses)]
+      unlogged = [{k: float(v) for k, v in d.items()}
+                  for d in jax.device_get(progress.steps_metrics)]
       latest.save(step, saved_part(state),
                   {**checkpoint_meta(config, rig, task, data_info, last_val),
-                   'history': history, 'unlogged_losses': unlogged})
+                   'history': history, 'unlogged_metrics': unlogged})
     if chief:
       _write_run_json(workdir, {**manifest, 'status': status, 'step': step, 'val': last_val,
                                 'best_value': best_value})
@@ -1153,7 +1154,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
           window=inference.training_window(config))), depth=tc.get('prefetch', 2))
   progress = _Progress(step, pipeline)
   if saved and step % tc.log_every:  # resumed off a log row: the steps since it, as one run
-    progress.losses = [np.float32(x) for x in saved.get('unlogged_losses', [])]  # as logged
+    progress.steps_metrics = [{k: np.float32(v) for k, v in d.items()}  # as logged
+                              for d in saved.get('unlogged_metrics', [])]
   stopper = GracefulStop(log)
   # Several processes stop after the same step, or one would wait in the next step's
   # all-reduce while another saves: each step carries every process's stop flag, and all stop
@@ -1168,9 +1170,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
       else:
         state, m = train_step(state, batch)
       step += 1
-      progress.add(m['loss'])
+      progress.add(m)
       if step % tc.log_every == 0 or step == tc.steps:
-        vals = progress.report(m, tc.batch_size)
+        vals = progress.report(tc.batch_size)
         writer.write(step, 'train', vals)
         val_txt = (f' | val {task.best_metric} {last_val[task.best_metric]:.2f}'
                    f'{f" (step {val_step})" if val_step not in (None, step) else ""}'
@@ -1240,7 +1242,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
 
 
 class _Progress:
-  """Rates over the steps since the last report: train frames/s and the input pipeline's own.
+  """The steps since the last report: the mean of each metric (loss, its parts, the gradient
+  norm: every one over the same steps), train frames/s and the input pipeline's own.
 
   The pipeline rate is global-batch frames per second of the prefetch thread's busy time
   (batch order, memory-mapped reads, copy to the devices; each process makes its 1/P of every
@@ -1254,19 +1257,21 @@ class _Progress:
     self._reset()
 
   def _reset(self):
-    self.t, self.steps, self.losses = time.time(), 0, []
+    self.t, self.steps, self.steps_metrics = time.time(), 0, []
     self.busy, self.made = self.pipeline.busy_seconds, self.pipeline.produced
 
-  def add(self, loss: jax.Array) -> None:
+  def add(self, metrics_: dict) -> None:
+    """One step's metrics (loss, its parts, the gradient norm): a row averages each."""
     self.steps += 1
-    self.losses.append(loss)
+    self.steps_metrics.append(metrics_)
 
   def steps_per_s(self, step: int) -> float:
     return (step - self.start_step) / max(time.time() - self.start_time, 1e-9)
 
-  def report(self, metrics_: dict, batch_size: int) -> dict:
-    vals = {k: float(v) for k, v in jax.device_get(metrics_).items()}
-    vals['loss'] = float(np.mean(jax.device_get(self.losses)))
+  def report(self, batch_size: int) -> dict:
+    rows = jax.device_get(self.steps_metrics)  # every step since the last row (a resumed
+    vals = {k: float(np.mean([r[k] for r in rows if k in r]))  # run's: its saved ones too)
+            for k in rows[-1]}
     vals['frames_per_s'] = self.steps * batch_size / max(time.time() - self.t, 1e-9)
     made, busy = self.pipeline.produced - self.made, self.pipeline.busy_seconds - self.busy
     if made == 0:  # the thread has made every batch already: its rate over the whole run

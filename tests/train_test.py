@@ -252,11 +252,21 @@ def test_a_run_resumed_off_a_log_row_logs_the_losses_of_one_run(cmu_shards, tmp_
     train.train_and_evaluate(c, tmp_path / 'resumed', log=die_at_6)
   assert train.trained_step(tmp_path / 'resumed') == 4
   train.train_and_evaluate(c, tmp_path / 'resumed', log=lambda m: None)
-  rows = {name: [(r['step'], r['loss']) for r in map(json.loads, (
+  every = tiny_config(cmu_shards, train=dict(steps=6, log_every=1, eval_every=3,
+                                             checkpoint_every=100))
+  train.train_and_evaluate(every, tmp_path / 'every', log=lambda m: None)
+  timing = ('time', 'frames_per_s', 'pipeline_frames_per_s')
+  rows = {name: [{k: v for k, v in r.items() if k not in timing} for r in map(json.loads, (
       tmp_path / name / 'log.jsonl').read_text().splitlines()) if r['kind'] == 'train']
-          for name in ('straight', 'resumed')}
-  assert [s for s, _ in rows['straight']] == [3, 6]
+          for name in ('straight', 'resumed', 'every')}
+  assert [r['step'] for r in rows['straight']] == [3, 6]
   assert rows['resumed'] == rows['straight']
+  # Each field of a row is the mean over its steps, the loss's parts and the gradient norm as
+  # the loss (they were the row's last step's: the parts did not add up to the loss).
+  for row in rows['straight']:
+    steps = [r for r in rows['every'] if row['step'] - 3 < r['step'] <= row['step']]
+    for k in ('loss', 'rot_rad', 'grad_norm'):
+      assert row[k] == pytest.approx(np.mean([r[k] for r in steps]), rel=1e-6), k
 
 
 def test_ctrl_c_mid_run_saves_and_resumes(cmu_shards, tmp_path):
