@@ -675,7 +675,7 @@ def _is_deleted(tree) -> bool:
 # float fields that must be finite and positive / non-negative (absent ones are not checked).
 _POSITIVE_INTS = ('steps', 'batch_size', 'log_every', 'eval_every', 'checkpoint_every',
                   'eval_batch_size', 'prefetch')
-_NON_NEGATIVE_INTS = ('warmup_steps',)
+_NON_NEGATIVE_INTS = ('warmup_steps', 'val_frames')  # val_frames 0: every val frame
 _POSITIVE_FLOATS = ('lr', 'clip_norm')
 _NON_NEGATIVE_FLOATS = ('final_lr_fraction', 'weight_decay')
 
@@ -1093,8 +1093,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
           'restored parameters')
     if best.latest_step() is not None:
       best_value = best.restore_meta()['metrics'].get(task.best_metric, math.inf)
-    if int(state['step']) >= tc.steps:  # finished, but not recorded so (killed at the end)
-      last_val = saved.get('metrics') or {}
+    last_val = saved.get('metrics') or {}  # the last validation's, until the next (run.json)
     log(f'resumed from {latest.directory} at step {int(state["step"])}')
   history = command_history(read_run(workdir) if saved else None, int(state['step']),
                             int(tc.steps))
