@@ -404,7 +404,8 @@ def test_values_that_mean_nothing_are_refused_before_anything_is_written(cmu_sha
       ('augment', 'outlier_prob', -0.1, r'config\.augment\.outlier_prob must be a probability'),
       ('augment', 'noise_mm_max', -5.0, r'config\.augment\.noise_mm_max must be a number >= 0'),
       ('train', 'final_lr_fraction', 2.0, r'train\.final_lr_fraction must be a fraction of the '
-                                          r'learning rate in \[0, 1\]')):
+                                          r'learning rate in \[0, 1\]'),
+      ('train', 'val_frames', -5, r'train\.val_frames must be an integer >= 0, got -5')):
     c = tiny_config(cmu_shards)
     c[section][key] = value
     with pytest.raises(ValueError, match=match):
