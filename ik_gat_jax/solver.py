@@ -109,6 +109,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
+import functools
 import hashlib
 import math
 import os
@@ -632,6 +633,7 @@ def _check_up(positions: np.ndarray, rig: Rig, given: np.ndarray | None = None) 
           f'{_input_axis(given, k, float(np.sign(v[k])))} is up)' + _LYING]
 
 
+@functools.lru_cache(maxsize=16)
 def _handedness_joints(rig: Rig) -> tuple[int, int, int, tuple[tuple[int, int], ...]] | None:
   """(left hip, right hip, top, ((foot, toe) of each side)) where the rig's natural pose shows
   them: the mirrored pair nearest the root (the hips), the top joint (the head), and the lowest
@@ -674,8 +676,10 @@ def _check_handedness(positions: np.ndarray, rig: Rig,
   foot's toe direction has the opposite sign to the rig's natural pose's in most frames. A
   rotation of the body keeps that sign (any orientation, lying or upside down), a reflection
   flips it; a foot pointing up in a kick is left out (|cosine| < 0.3)."""
+  if len(positions) < 2:  # two feet of one frame never decide it (below): no cost per frame
+    return []
   joints = _handedness_joints(rig)
-  if joints is None or not len(positions):
+  if joints is None:
     return []
   left, right, top, feet = joints
 
